@@ -1,0 +1,42 @@
+"""``zerotrain demo``: the main job, a byte-level GPT trained on 2 local ranks."""
+
+from __future__ import annotations
+
+import argparse
+
+from zerotrain.cli import run as run_cmd
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``zerotrain demo``."""
+    parser.add_argument("-n", "--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=250, help="optimizer steps")
+    parser.add_argument("--stage", type=int, default=0, help="ZeRO stage")
+    parser.add_argument("--out-dir", default="demo_out", help="where the plot and summary go")
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Launch ``zerotrain.examples.train_gpt`` through ``zerotrain run``."""
+    launch = argparse.Namespace(
+        nproc_per_node=args.nproc,
+        hostfile=None,
+        nnodes=None,
+        node_rank=None,
+        master_addr=None,
+        master_port=None,
+        rdzv_backend=None,
+        rdzv_endpoint=None,
+        rdzv_id="zerotrain-demo",
+        max_restarts=0,
+        module=True,
+        script="zerotrain.examples.train_gpt",
+        script_args=[
+            "--steps",
+            str(args.steps),
+            "--stage",
+            str(args.stage),
+            "--out-dir",
+            args.out_dir,
+        ],
+    )
+    return run_cmd.run(launch)

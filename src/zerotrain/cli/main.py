@@ -1,0 +1,34 @@
+"""The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zerotrain.cli import demo as demo_cmd
+from zerotrain.cli import run as run_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="zerotrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_cmd.add_run_arguments(
+        sub.add_parser("run", help="launch a training script on N processes (via torchrun)")
+    )
+    demo_cmd.add_demo_arguments(
+        sub.add_parser("demo", help="train a small byte-level GPT on 2 local ranks")
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``zerotrain`` console script."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "run":
+        return run_cmd.run(args)
+    return demo_cmd.demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""``zerotrain run``: launch a training script on N processes (per node) through torchrun.
+
+torchrun (``torch.distributed.run``) does the real work: rendezvous, worker monitoring,
+restarts, multi-node. This module adds the DeepSpeed hostfile, sensible defaults (one
+process per GPU, or ``-n`` on CPU with OMP threads split between ranks), and a bootstrap
+that records a failing rank's traceback so torchrun's summary shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerotrain.cli.hostfile import HostfileError, read_hostfile, this_node_rank
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What torchrun is asked to do, and the environment the ranks get."""
+
+    torchrun_args: list[str]
+    env: dict[str, str]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``zerotrain run``."""
+    parser.add_argument(
+        "-n",
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes on this node (default: GPUs on this node, else 1)",
+    )
+    parser.add_argument("--hostfile", help="DeepSpeed hostfile: one 'hostname slots=N' per line")
+    parser.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX (elastic)")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's index")
+    parser.add_argument("--master-addr", default=None, help="address of node 0")
+    parser.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0")
+    parser.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend")
+    parser.add_argument("--rdzv-endpoint", default=None, help="torchrun rendezvous endpoint")
+    parser.add_argument("--rdzv-id", default="zerotrain", help="job id shared by all nodes")
+    parser.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts")
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="treat the target as a module name (like python -m)",
+    )
+    parser.add_argument("script", help="training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+
+
+def _default_nproc() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def plan_launch(args: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchPlan:
+    """Translate ``zerotrain run`` options into torchrun arguments and environment.
+
+    Raises:
+        HostfileError / ValueError: inconsistent options, with what to change.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    nproc = args.nproc_per_node
+    nnodes, node_rank, master_addr = args.nnodes, args.node_rank, args.master_addr
+    if args.hostfile:
+        hosts = read_hostfile(args.hostfile)
+        slots = {h.slots for h in hosts}
+        if len(slots) != 1:
+            raise HostfileError(
+                f"{args.hostfile}: torchrun runs the same number of processes on every node, "
+                f"but slots differ ({', '.join(f'{h.name}={h.slots}' for h in hosts)})"
+            )
+        host_slots = slots.pop()
+        if nproc is not None and nproc > host_slots:
+            raise HostfileError(f"-n {nproc} exceeds the hostfile's {host_slots} slots per host")
+        nproc = nproc or host_slots
+        nnodes = nnodes or str(len(hosts))
+        master_addr = master_addr or hosts[0].name
+        if node_rank is None:
+            node_rank = this_node_rank(hosts)
+    nproc = nproc or _default_nproc()
+    if nproc < 1:
+        raise ValueError(f"-n must be >= 1, got {nproc}")
+
+    torchrun = [f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
+    multi_node = nnodes not in (None, "1") or master_addr or args.rdzv_endpoint
+    if multi_node:
+        port = args.master_port or DEFAULT_PORT
+        endpoint = args.rdzv_endpoint or f"{master_addr or '127.0.0.1'}:{port}"
+        torchrun += [
+            f"--nnodes={nnodes or 1}",
+            f"--rdzv-backend={args.rdzv_backend or 'c10d'}",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={args.rdzv_id}",
+        ]
+        if node_rank is not None:
+            torchrun.append(f"--node-rank={node_rank}")
+    elif args.master_port:
+        torchrun += ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
+    else:
+        torchrun.append("--standalone")  # single node: torchrun picks a free port itself
+
+    env: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in environ and not torch.cuda.is_available():
+        # CPU ranks share the cores; oversubscribed OpenMP pools slow everyone down.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    target = [
+        "-m",
+        "zerotrain.cli.bootstrap",
+        "--module" if args.module else "--script",
+        args.script,
+    ]
+    return LaunchPlan(torchrun + target + list(args.script_args), env)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch and wait. Returns the exit code (non-zero if any rank failed)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    try:
+        plan = plan_launch(args)
+    except (HostfileError, ValueError) as err:
+        print(f"zerotrain run: {err}", file=sys.stderr)
+        return 2
+    os.environ.update(plan.env)
+    try:
+        torchrun(get_args_parser().parse_args(plan.torchrun_args))
+    except ChildFailedError as err:
+        print(err, file=sys.stderr)  # torchrun's table, with each recorded traceback
+        rank, failure = root_cause(err.failures)
+        print(
+            f"zerotrain run: job failed; rank {rank} failed first (exit code "
+            f"{failure.exitcode}), {len(err.failures)} rank(s) exited with errors",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+# Failures that are consequences of another rank's failure, not causes.
+_COLLATERAL = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Another rank probably exited",
+    "Signal 15 (SIGTERM)",
+)
+
+
+def root_cause(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failure that most likely caused the others.
+
+    When one rank raises, its peers fail moments later in their next collective (or are
+    stopped by torchrun), often within the same second, so timestamps alone cannot tell
+    cause from effect. A failure whose message is not a lost-peer error is the cause.
+    """
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    for rank, failure in ordered:
+        if not any(marker in str(failure.message) for marker in _COLLATERAL):
+            return rank, failure
+    return ordered[0]

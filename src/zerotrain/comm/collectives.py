@@ -1,0 +1,233 @@
+"""The only module that calls ``torch.distributed`` collectives.
+
+Every call goes through a :class:`Communicator`, which counts it in :class:`CommStats` and
+turns a failure (a peer that died, a rank that took another code path until the timeout)
+into a :class:`CollectiveError` naming the rank, the collective and what it carried.
+Asynchronous calls return a :class:`Handle` with an explicit ``wait()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.comm.stats import CommSnapshot, CommStats
+from zerotrain.utils.invariant import invariant
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank and the collective."""
+
+
+class Handle:
+    """An issued collective. ``wait()`` blocks until it finished, then runs ``on_done``."""
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        describe: Callable[[], str],
+        on_done: Callable[[], None] | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        self._work = work
+        self._describe = describe
+        self._on_done = on_done
+        self._timeout = timeout
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        """True once ``wait()`` has returned."""
+        return self._finished
+
+    def wait(self) -> None:
+        """Block until the collective completed (idempotent)."""
+        if self._finished:
+            return
+        if self._work is not None:
+            try:
+                if self._timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(self._timeout)
+            except Exception as exc:
+                raise CollectiveError(_failure_message(self._describe(), exc)) from exc
+        self._finished = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+def _failure_message(what: str, exc: BaseException) -> str:
+    return (
+        f"{what} failed: {exc}. Another rank probably exited, or the ranks issued different "
+        "collectives (different code paths or models); see the other ranks' output."
+    )
+
+
+class Communicator:
+    """Collectives over one process group, counted in ``stats``.
+
+    Args:
+        group: the process group (None = the default group).
+        timeout: how long ``Handle.wait`` waits before raising ``CollectiveError``.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None
+    ) -> None:
+        invariant(dist.is_initialized(), "Communicator needs an initialised process group")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self.timeout = timeout
+        self.stats = CommStats()
+
+    def snapshot(self) -> CommSnapshot:
+        """Counts of every collective issued so far (see ``CommStats``)."""
+        return self.stats.snapshot()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _run(
+        self,
+        op: str,
+        purpose: str,
+        payload: torch.Tensor,
+        call: Callable[[bool], dist.Work | None],
+        async_op: bool,
+        on_done: Callable[[], None] | None = None,
+    ) -> Handle:
+        nbytes = payload.numel() * payload.element_size()
+
+        def describe() -> str:
+            return (
+                f"rank {self.rank}: {op} of {purpose} ({tuple(payload.shape)} "
+                f"{str(payload.dtype).removeprefix('torch.')}, {nbytes} bytes, "
+                f"world size {self.world_size})"
+            )
+
+        self.stats.record(op, purpose, nbytes)
+        try:
+            work = call(async_op)
+        except Exception as exc:
+            raise CollectiveError(_failure_message(describe(), exc)) from exc
+        handle = Handle(work if async_op else None, describe, on_done, self.timeout)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        purpose: str,
+        op: str = "sum",
+        async_op: bool = False,
+        on_done: Callable[[], None] | None = None,
+    ) -> Handle:
+        """Reduce ``tensor`` in place across ranks (``op``: sum, max or min).
+
+        ``on_done`` runs (on the waiting thread) once the result is in ``tensor``.
+        """
+        reduce_op = _REDUCE_OPS[op]
+        return self._run(
+            "all_reduce",
+            purpose,
+            tensor,
+            lambda a: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=a),
+            async_op,
+            on_done,
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        *,
+        purpose: str,
+        async_op: bool = False,
+        on_done: Callable[[], None] | None = None,
+    ) -> Handle:
+        """Sum ``full`` across ranks; rank r receives chunk r into ``output``.
+
+        ``full`` must hold ``world_size * output.numel()`` elements.
+        """
+        invariant(
+            full.numel() == output.numel() * self.world_size,
+            f"reduce_scatter: full has {full.numel()} elements, expected "
+            f"{output.numel()} x {self.world_size}",
+        )
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return self._run(
+            "reduce_scatter",
+            purpose,
+            full,
+            lambda a: fn(output, full, group=self.group, async_op=a),
+            async_op,
+            on_done,
+        )
+
+    def all_gather_into(
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        *,
+        purpose: str,
+        async_op: bool = False,
+        on_done: Callable[[], None] | None = None,
+    ) -> Handle:
+        """Concatenate every rank's ``shard`` into ``output`` (rank order)."""
+        invariant(
+            output.numel() == shard.numel() * self.world_size,
+            f"all_gather: output has {output.numel()} elements, expected "
+            f"{shard.numel()} x {self.world_size}",
+        )
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return self._run(
+            "all_gather",
+            purpose,
+            output,
+            lambda a: fn(output, shard, group=self.group, async_op=a),
+            async_op,
+            on_done,
+        )
+
+    def broadcast(
+        self, tensor: torch.Tensor, *, src: int = 0, purpose: str, async_op: bool = False
+    ) -> Handle:
+        """Copy rank ``src``'s ``tensor`` to every rank (``src`` is a rank in this group)."""
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return self._run(
+            "broadcast",
+            purpose,
+            tensor,
+            lambda a: dist.broadcast(tensor, src=global_src, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def all_reduce_floats(self, values: Sequence[float], *, op: str = "sum") -> list[float]:
+        """Reduce a few Python floats (losses, flags) in one small collective."""
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        if self.backend == "nccl":
+            tensor = tensor.cuda()
+        self.all_reduce(tensor, purpose="control", op=op)
+        return tensor.cpu().tolist()
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point (or fail after the timeout)."""
+        try:
+            if self.backend == "gloo" and self.timeout is not None:
+                # gloo's monitored barrier names the ranks that never arrived.
+                dist.monitored_barrier(group=self.group, timeout=self.timeout)
+            else:
+                dist.barrier(group=self.group)
+        except Exception as exc:
+            raise CollectiveError(_failure_message(f"rank {self.rank}: barrier", exc)) from exc

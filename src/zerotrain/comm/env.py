@@ -1,0 +1,151 @@
+"""Process-group set-up from the environment torchrun exports (or a single process without one).
+
+The device and backend are chosen together: ``cuda`` + ``nccl`` when CUDA is available,
+otherwise ``cpu`` + ``gloo``. ``ZEROTRAIN_DEVICE=cpu`` forces the CPU path on a GPU machine;
+asking for CUDA where there is none is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    """Where this process sits in the job and what it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    timeout: datetime.timedelta
+
+
+def default_timeout() -> datetime.timedelta:
+    """Collective timeout: ``ZEROTRAIN_COMM_TIMEOUT`` seconds, else 600 s."""
+    raw = os.environ.get("ZEROTRAIN_COMM_TIMEOUT")
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(
+            f"ZEROTRAIN_COMM_TIMEOUT must be a number of seconds, got {raw!r}"
+        ) from None
+    if seconds <= 0:
+        raise ValueError(f"ZEROTRAIN_COMM_TIMEOUT must be > 0, got {seconds}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def select_device(local_rank: int) -> tuple[torch.device, str]:
+    """Pick ``(device, backend)`` for this rank. Raises if a requested device is unavailable."""
+    wanted = os.environ.get("ZEROTRAIN_DEVICE", "").strip().lower()
+    if wanted not in ("", "cpu", "cuda"):
+        raise ValueError(f"ZEROTRAIN_DEVICE must be 'cpu' or 'cuda', got {wanted!r}")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ZEROTRAIN_DEVICE=cuda, but torch sees no CUDA device on this machine")
+    use_cuda = wanted == "cuda" or (wanted == "" and torch.cuda.is_available())
+    if use_cuda:
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"local rank {local_rank} has no GPU: this node has {count} visible CUDA "
+                "device(s); launch at most that many processes per node"
+            )
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(
+            f"environment variable {name} must be an integer, got {value!r}"
+        ) from None
+
+
+def _env_from_group(timeout: datetime.timedelta) -> DistEnv:
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device, expected_backend = select_device(local_rank)
+    backend = str(dist.get_backend())
+    if expected_backend not in backend:
+        raise RuntimeError(
+            f"the existing process group uses backend '{backend}', but tensors live on "
+            f"{device.type}, which needs '{expected_backend}'"
+        )
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        # The group object can survive in a reference cycle; collecting it now runs its
+        # destructor, which joins gloo's worker threads while Python can still serve them.
+        gc.collect()
+
+
+def init_distributed(timeout: datetime.timedelta | float | None = None) -> DistEnv:
+    """Join the job's process group, creating it if needed.
+
+    With torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, all ranks
+    rendezvous through them; with none set, a one-process group is created so the same code
+    runs unchanged on a laptop. A group that already exists is reused.
+
+    Args:
+        timeout: seconds (or a timedelta) a collective may wait for the other ranks before
+            failing; default ``ZEROTRAIN_COMM_TIMEOUT`` or 600 s.
+
+    Raises:
+        RuntimeError: when only some of torchrun's variables are set, or the device asked
+            for is missing.
+    """
+    if timeout is None:
+        timeout = default_timeout()
+    elif not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if dist.is_initialized():
+        return _env_from_group(timeout)
+
+    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device, backend = select_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if present and len(present) != len(_TORCHRUN_VARS):
+        missing = sorted(set(_TORCHRUN_VARS) - set(present))
+        raise RuntimeError(
+            f"incomplete distributed environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing; launch with `zerotrain run` or torchrun"
+        )
+    if present:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    # Destroy the group we created before the interpreter finalises: otherwise gloo's worker
+    # threads may release their last tensors after Python stopped handing out the GIL, and
+    # the process aborts ("terminate called without an active exception").
+    atexit.register(_destroy_at_exit)
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout)
+    log.info("process group: %d rank(s), backend %s, device %s", env.world_size, backend, device)
+    return env

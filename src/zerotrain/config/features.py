@@ -1,0 +1,154 @@
+"""Which configured features this version can run, and which keys have no effect.
+
+A config may name any DeepSpeed feature; enabling one that zerotrain does not implement yet is
+an error at ``initialize`` that names the key (never a silent no-op). Keys that are valid but
+do nothing in the chosen configuration (stage-3 knobs at stage 0, say) are reported as notes.
+"""
+
+from __future__ import annotations
+
+from zerotrain.config import optim_params
+from zerotrain.config.schema import ZeroTrainConfig
+from zerotrain.config.types import LooseSection
+
+IMPLEMENTED_STAGES: tuple[int, ...] = (0,)
+
+# Loose sections and the rule that says they are switched on.
+_LOOSE_ENABLED_BY_FLAG = (
+    "amp",
+    "curriculum_learning",
+    "data_efficiency",
+    "progressive_layer_drop",
+    "elasticity",
+    "autotuning",
+    "eigenvalue",
+    "quantize_training",
+    "hybrid_engine",
+    "nebula",
+)
+_LOOSE_ENABLED_BY_PRESENCE = ("pipeline", "sparse_attention", "compression_training")
+
+# zero_optimization keys that only act at a given stage or above.
+_ZERO_KEYS_FROM_STAGE = {
+    "allgather_partitions": 1,
+    "allgather_bucket_size": 1,
+    "reduce_scatter": 2,
+    "contiguous_gradients": 2,
+    "round_robin_gradients": 2,
+    "elastic_checkpoint": 1,
+    "load_from_fp32_weights": 1,
+    "legacy_stage1": 1,
+    "sub_group_size": 3,
+    "stage3_prefetch_bucket_size": 3,
+    "stage3_param_persistence_threshold": 3,
+    "stage3_max_live_parameters": 3,
+    "stage3_max_reuse_distance": 3,
+    "stage3_gather_16bit_weights_on_model_save": 3,
+    "memory_efficient_linear": 3,
+}
+
+
+def _loose_enabled(name: str, section: LooseSection) -> bool:
+    if name in _LOOSE_ENABLED_BY_PRESENCE:
+        return True
+    return bool(section.enabled)
+
+
+def _tensor_parallel_size(section: LooseSection) -> int:
+    extra = section.model_extra or {}
+    for key in ("autotp_size", "tp_size"):
+        value = extra.get(key)
+        if isinstance(value, int) and value > 1:
+            return value
+    return 1
+
+
+def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
+    """Every enabled feature this version cannot run, as ``"path=value: explanation"``."""
+    found: list[str] = []
+    zero = cfg.zero_optimization
+    if zero.stage not in IMPLEMENTED_STAGES:
+        found.append(
+            f"zero_optimization.stage={zero.stage}: ZeRO stage {zero.stage} is not implemented "
+            f"yet (available: {', '.join(map(str, IMPLEMENTED_STAGES))})"
+        )
+    for name in ("offload_optimizer", "offload_param"):
+        device = getattr(zero, name).device
+        if device != "none":
+            found.append(f"zero_optimization.{name}.device={device}: offload")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, key):
+            found.append(f"zero_optimization.{key}=true: quantized ZeRO communication")
+    if zero.zero_hpz_partition_size > 1:
+        found.append("zero_optimization.zero_hpz_partition_size>1: hierarchical partitioning")
+    if zero.mics_shard_size > 0:
+        found.append("zero_optimization.mics_shard_size>0: MiCS sharding")
+    if cfg.fp16.enabled:
+        found.append("fp16.enabled=true: fp16 mixed precision")
+    if cfg.bf16.enabled:
+        found.append("bf16.enabled=true: bf16 mixed precision")
+    if cfg.communication_data_type not in (None, "fp32", "float32"):
+        found.append(
+            f"communication_data_type={cfg.communication_data_type}: reduced-precision "
+            "gradient communication"
+        )
+    if cfg.data_types.grad_accum_dtype not in (None, "fp32", "float32"):
+        found.append(f"data_types.grad_accum_dtype={cfg.data_types.grad_accum_dtype}")
+    if cfg.sparse_gradients:
+        found.append("sparse_gradients=true: sparse gradient all-reduce")
+    if cfg.optimizer is not None:
+        key = optim_params.canonical_optimizer(cfg.optimizer.type)
+        if key in optim_params.OPTIMIZERS_NOT_IMPLEMENTED:
+            found.append(f"optimizer.type={cfg.optimizer.type}: this optimizer")
+    if cfg.scheduler is not None:
+        name = optim_params.canonical_scheduler(cfg.scheduler.type)
+        if name in optim_params.SCHEDULERS_NOT_IMPLEMENTED:
+            found.append(f"scheduler.type={cfg.scheduler.type}: this scheduler")
+    ac = cfg.activation_checkpointing
+    if ac.model_fields_set and any(
+        getattr(ac, k) for k in ac.model_fields_set if k != "number_checkpoints"
+    ):
+        found.append("activation_checkpointing: zerotrain.checkpointing")
+    for name in ("flops_profiler", "tensorboard", "csv_monitor", "wandb", "comms_logger"):
+        if getattr(cfg, name).enabled:
+            found.append(f"{name}.enabled=true: {name}")
+    for name in ("wall_clock_breakdown", "dump_state"):
+        if getattr(cfg, name):
+            found.append(f"{name}=true: {name}")
+    if cfg.checkpoint.load_universal or cfg.checkpoint.use_node_local_storage:
+        found.append("checkpoint.load_universal/use_node_local_storage: checkpoint options")
+    for name in (*_LOOSE_ENABLED_BY_FLAG, *_LOOSE_ENABLED_BY_PRESENCE):
+        section = getattr(cfg, name)
+        if section is not None and _loose_enabled(name, section):
+            found.append(f"{name}: {name.replace('_', ' ')}")
+    tp_size = 1 if cfg.tensor_parallel is None else _tensor_parallel_size(cfg.tensor_parallel)
+    if tp_size > 1:
+        found.append(f"tensor_parallel (size {tp_size}): tensor parallelism")
+    return found
+
+
+def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
+    """Explicitly set keys that have no effect in this configuration (logged as notes)."""
+    notes: list[str] = []
+    zero = cfg.zero_optimization
+    for key in sorted(zero.model_fields_set):
+        stage = _ZERO_KEYS_FROM_STAGE.get(key)
+        if stage is not None and zero.stage < stage:
+            notes.append(
+                f"zero_optimization.{key} acts only at stage >= {stage} "
+                f"(this config uses stage {zero.stage})"
+            )
+    for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
+        if key in cfg.model_fields_set:
+            notes.append(f"{key}: zerotrain accepts any optimizer; this key has no effect")
+    if cfg.optimizer is not None:
+        for key in ("torch_adam", "fused"):
+            if key in cfg.optimizer.params and cfg.optimizer.params[key] is not None:
+                notes.append(
+                    f"optimizer.params.{key}: zerotrain chooses the kernel itself "
+                    "(fused where torch has one); this key has no effect"
+                )
+    uses_nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
+    if "aio" in cfg.model_fields_set and not uses_nvme:
+        notes.append("aio: only used by NVMe offload, which this config does not enable")
+    return notes

@@ -1,0 +1,293 @@
+"""The typed config schema, with DeepSpeed's key names so existing JSON configs load unchanged.
+
+Each section documents its keys. Sections for features zerotrain does not implement yet are
+part of the schema (a config that mentions them is valid); ``features.py`` decides whether an
+enabled feature is usable and says so clearly when it is not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from zerotrain.config.types import (
+    Bool,
+    Float,
+    Int,
+    LooseSection,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+    UnitFraction,
+)
+
+DTypeName = Literal["fp32", "fp16", "bf16", "bfp16", "float32", "float16", "bfloat16"]
+
+
+class OptimizerConfig(Section):
+    """``optimizer``: which optimizer the engine builds and its hyperparameters.
+
+    ``params`` is checked against the chosen ``type`` by ``optim_params.py`` (the set of valid
+    keys depends on the type).
+    """
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(Section):
+    """``scheduler``: learning-rate schedule stepped once per optimizer step."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class FP16Config(Section):
+    """``fp16``: float16 compute with fp32 master weights and loss scaling."""
+
+    enabled: Bool = False
+    auto_cast: Bool = False
+    loss_scale: NonNegativeFloat = 0.0  # 0 = dynamic scaling
+    initial_scale_power: NonNegativeInt = 16
+    loss_scale_window: PositiveInt = 1000
+    hysteresis: PositiveInt = 2
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: PositiveFloat = 1.0
+    fp16_master_weights_and_grads: Bool = False
+
+
+class BF16Config(Section):
+    """``bf16`` (legacy spelling ``bfloat16``): bfloat16 compute with fp32 master weights."""
+
+    enabled: Bool = False
+    immediate_grad_update: Bool = False
+    check_grad_overflow: Bool = False
+    # bf16 needs no loss scaling; old configs carry "loss_scale": 1.0, which is harmless.
+    loss_scale: Float = 1.0
+
+    @field_validator("loss_scale")
+    @classmethod
+    def _no_scaling(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError("bf16 does not use loss scaling; only 1.0 is allowed")
+        return value
+
+
+class OffloadOptimizerConfig(Section):
+    """``zero_optimization.offload_optimizer``: where master weights and optimizer states live."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    buffer_count: PositiveInt = 4
+    pin_memory: Bool = False
+    pipeline_read: Bool = False
+    pipeline_write: Bool = False
+    fast_init: Bool = False
+    ratio: UnitFraction = 1.0
+
+
+class OffloadParamConfig(Section):
+    """``zero_optimization.offload_param`` (stage 3): where parameter shards live between uses."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    buffer_count: PositiveInt = 5
+    buffer_size: PositiveInt = 100_000_000
+    max_in_cpu: NonNegativeInt = 1_000_000_000
+    pin_memory: Bool = False
+
+
+def _offload_section(value: Any) -> Any:
+    # Some public configs write `"offload_param": false` where the docs expect an object.
+    if value is False or value is None:
+        return {"device": "none"}
+    if value is True:
+        raise ValueError('give an object such as {"device": "cpu"} instead of true')
+    return value
+
+
+class ZeroConfig(Section):
+    """``zero_optimization``: which model states are partitioned across data-parallel ranks."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    overlap_comm: Bool | None = None  # None: on (reduce from backward hooks)
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    # Elements per communication bucket; 0 means one tensor per bucket (no batching).
+    reduce_bucket_size: NonNegativeInt = 500_000_000
+    allgather_partitions: Bool = True
+    allgather_bucket_size: NonNegativeInt = 500_000_000
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    sub_group_size: PositiveInt = 1_000_000_000
+    stage3_prefetch_bucket_size: NonNegativeInt = 50_000_000
+    stage3_param_persistence_threshold: NonNegativeInt = 100_000
+    stage3_max_live_parameters: NonNegativeInt = 1_000_000_000
+    stage3_max_reuse_distance: NonNegativeInt = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    elastic_checkpoint: Bool = False
+    round_robin_gradients: Bool = False
+    ignore_unused_parameters: Bool = True
+    load_from_fp32_weights: Bool = True
+    legacy_stage1: Bool = False
+    zero_hpz_partition_size: PositiveInt = 1
+    zero_quantized_weights: Bool = False
+    zero_quantized_gradients: Bool = False
+    mics_shard_size: Int = -1
+    memory_efficient_linear: Bool = True
+
+    @field_validator("offload_optimizer", "offload_param", mode="before")
+    @classmethod
+    def _offload_bool(cls, value: Any) -> Any:
+        return _offload_section(value)
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> ZeroConfig:
+        for name in ("offload_optimizer", "offload_param"):
+            section = getattr(self, name)
+            if section.device == "nvme" and not section.nvme_path:
+                raise ValueError(f'{name}.device is "nvme" but {name}.nvme_path is not set')
+        return self
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``: options for ``zerotrain.checkpointing.checkpoint``."""
+
+    partition_activations: Bool = False
+    cpu_checkpointing: Bool = False
+    contiguous_memory_optimization: Bool = False
+    number_checkpoints: PositiveInt | None = None
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
+class FlopsProfilerConfig(Section):
+    """``flops_profiler``: per-module FLOPs and latency for one step."""
+
+    enabled: Bool = False
+    recompute_fwd_factor: NonNegativeFloat = 0.0
+    profile_step: Int = 1
+    module_depth: Int = -1
+    top_modules: PositiveInt = 1
+    detailed: Bool = True
+    output_file: str | None = None
+
+
+class MonitorConfig(Section):
+    """``tensorboard`` / ``csv_monitor``: scalar logs written on rank 0."""
+
+    enabled: Bool = False
+    output_path: str = ""
+    job_name: str = "zerotrain_job"
+
+
+class WandbConfig(Section):
+    """``wandb``: Weights & Biases logging on rank 0."""
+
+    enabled: Bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "zerotrain"
+
+
+class CommsLoggerConfig(Section):
+    """``comms_logger``: per-collective counts, sizes, latencies and bandwidth."""
+
+    enabled: Bool = False
+    verbose: Bool = False
+    prof_all: Bool = True
+    debug: Bool = False
+    prof_ops: list[str] = Field(default_factory=list)
+
+
+class DataTypesConfig(Section):
+    """``data_types``: dtype of the gradient accumulation buffer."""
+
+    grad_accum_dtype: DTypeName | None = None
+
+
+class AioConfig(Section):
+    """``aio``: asynchronous NVMe I/O tuning (used by NVMe offload)."""
+
+    block_size: PositiveInt = 1_048_576
+    queue_depth: PositiveInt = 8
+    thread_count: PositiveInt = 1
+    single_submit: Bool = False
+    overlap_events: Bool = True
+    use_gds: Bool = False
+    intra_op_parallelism: PositiveInt = 1
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: checkpoint loading and writing options."""
+
+    tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail"] = "Warn"
+    load_universal: Bool = False
+    use_node_local_storage: Bool = False
+    parallel_write: dict[str, Any] = Field(default_factory=dict)
+
+
+class ZeroTrainConfig(Section):
+    """The whole config. Batch sizes are resolved against the world size by ``batch.py``."""
+
+    train_batch_size: PositiveInt | None = None
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    gradient_accumulation_steps: PositiveInt | None = None
+
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: NonNegativeFloat = 0.0
+    prescale_gradients: Bool = False
+    gradient_predivide_factor: PositiveFloat = 1.0
+    communication_data_type: DTypeName | None = None
+    sparse_gradients: Bool = False
+
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    zero_allow_untested_optimizer: Bool = False
+    zero_force_ds_cpu_optimizer: Bool = True
+    aio: AioConfig = Field(default_factory=AioConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    dataloader_drop_last: Bool = False
+
+    steps_per_print: PositiveInt = 10
+    wall_clock_breakdown: Bool = False
+    memory_breakdown: Bool = False
+    dump_state: Bool = False
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
+    csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+
+    # Features zerotrain does not implement (yet): accepted, reported when enabled.
+    amp: LooseSection | None = None
+    pipeline: LooseSection | None = None
+    tensor_parallel: LooseSection | None = None
+    sparse_attention: LooseSection | None = None
+    curriculum_learning: LooseSection | None = None
+    data_efficiency: LooseSection | None = None
+    progressive_layer_drop: LooseSection | None = None
+    elasticity: LooseSection | None = None
+    autotuning: LooseSection | None = None
+    compression_training: LooseSection | None = None
+    eigenvalue: LooseSection | None = None
+    quantize_training: LooseSection | None = None
+    hybrid_engine: LooseSection | None = None
+    nebula: LooseSection | None = None
+
+    # Where "auto" values were resolved; filled by the loader and logged at initialize.
+    _auto_notes: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def auto_notes(self) -> tuple[str, ...]:
+        """Human-readable notes on how each ``"auto"`` value was resolved."""
+        return self._auto_notes

@@ -1,0 +1,72 @@
+"""Per-rank memory accounting of model states, by category."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from zerotrain.utils.memory import format_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """Bytes this rank holds for the model's states.
+
+    Attributes:
+        params: parameters in their compute dtype (the whole model at stages 0-2).
+        grads: gradient buffers.
+        master_weights: fp32 copies kept for the optimizer (mixed precision only).
+        optimizer_states: optimizer state tensors (moments, momentum buffers).
+        buffers: module buffers (e.g. normalisation statistics).
+        gathered: parameters gathered temporarily from other ranks (stage 3).
+    """
+
+    params: int
+    grads: int
+    master_weights: int
+    optimizer_states: int
+    buffers: int
+    gathered: int = 0
+
+    @property
+    def total(self) -> int:
+        """Sum of all categories."""
+        return sum(asdict(self).values())
+
+    def as_dict(self) -> dict[str, int]:
+        """Categories (and ``total``) as a plain dict."""
+        return {**asdict(self), "total": self.total}
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.as_dict().items())
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Total storage bytes of ``tensors`` (each counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of every tensor in ``optimizer.state``."""
+    if optimizer is None:
+        return 0
+    return tensor_bytes(
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def buffer_bytes(module: nn.Module) -> int:
+    """Bytes of the module's registered buffers."""
+    return tensor_bytes(module.buffers())

@@ -1,0 +1,163 @@
+"""A small byte-level GPT: the model of the demo, the tests and the benchmarks.
+
+Plain PyTorch (nothing zerotrain-specific), in the style of nanoGPT: pre-norm blocks with
+causal self-attention, an MLP, and an output head tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape. ``vocab_size`` 256 = bytes."""
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position sees only earlier ones."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward layer (4x expansion, GELU)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer over bytes.
+
+    ``forward(idx)`` returns logits of shape (batch, time, vocab); ``forward(idx, targets)``
+    returns the mean cross-entropy loss, which is what ``engine(batch)`` is expected to give.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) to keep activations stable.
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        _, t = idx.shape
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied weight counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two optimizer groups: matrices with ``weight_decay``, biases/norms/embeddings without."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.dim() >= 2 and "wpe" not in name else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+@torch.no_grad()
+def generate(
+    model: GPT, prompt: bytes, max_new_bytes: int, temperature: float = 0.8, seed: int = 0
+) -> bytes:
+    """Continue ``prompt`` by sampling ``max_new_bytes`` bytes (deterministic for a seed)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    for _ in range(max_new_bytes):
+        logits = model(idx[:, -model.cfg.block_size :])[:, -1, :].float().cpu()
+        probs = torch.softmax(logits / temperature, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen).to(device)
+        idx = torch.cat([idx, nxt], dim=1)
+    model.train(was_training)
+    return bytes(idx[0, len(prompt) :].tolist())

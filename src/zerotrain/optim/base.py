@@ -1,0 +1,54 @@
+"""Common machinery of zerotrain's optimizers, which update flat 1-D tensors.
+
+An optimizer here never loops over the model's parameters: it receives one flat tensor per
+unit (or per owned shard) and updates each with a handful of vectorised kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+class FlatOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose parameters are flat tensors.
+
+    Subclasses implement ``_init_state`` (called lazily, once per tensor) and
+    ``_step_group`` (one call per parameter group, with every tensor that has a gradient).
+    Being a torch optimizer, it works with torch's LR schedulers and ``state_dict``.
+    """
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+
+    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Update every tensor that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p] = self._init_state(p, group)
+            if params:
+                self._step_group(group, params)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero gradients in place. They are views into buffers the engine owns, so they are
+        never set to None (``set_to_none`` is accepted for API compatibility)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.zero_()

@@ -1,0 +1,44 @@
+"""Gradient clipping by global norm over flat gradient tensors.
+
+Matches ``torch.nn.utils.clip_grad_norm_``: coefficient ``max_norm / (norm + 1e-6)``, capped
+at 1. When each rank holds only part of the gradients (ZeRO stages >= 2), the caller passes
+``reduce_partial`` to sum the squared partial norms across ranks; this module knows nothing
+of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+PartialReducer = Callable[[torch.Tensor], None]
+
+
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], reduce_partial: PartialReducer | None = None
+) -> torch.Tensor:
+    """L2 norm of all ``grads`` together (0-d fp32 tensor)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(list(grads))
+    squares = torch.stack([n.float() for n in norms]).square().sum()
+    if reduce_partial is not None:
+        reduce_partial(squares)
+    return squares.sqrt()
+
+
+def clip_grads_(
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    reduce_partial: PartialReducer | None = None,
+) -> torch.Tensor:
+    """Scale ``grads`` in place so their global norm is at most ``max_norm``.
+
+    Returns the norm before clipping. ``max_norm <= 0`` only measures.
+    """
+    total = global_grad_norm(grads, reduce_partial)
+    if max_norm > 0 and grads:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(list(grads), coef.to(grads[0].device))
+    return total

@@ -1,0 +1,267 @@
+"""``run_distributed``: run a function in N local processes joined by a gloo process group.
+
+Used by every multi-process test. Failures are never silent and never hang:
+
+* a rank that raises makes the call raise at once, with that rank's number and traceback
+  (the other ranks, possibly blocked in a collective, are killed);
+* a rank that dies without reporting (segfault, ``os._exit``) is detected the same way;
+* if not every rank finishes within ``timeout`` seconds, each live rank dumps its Python
+  stacks into its log, all are killed, and the error shows which ranks were stuck and where.
+
+Processes start from a forkserver that has already imported torch, so a 4-rank job starts in
+well under a second. The rendezvous store is created by the parent on a free port of
+127.0.0.1, so there is no race for the port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import functools
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_LOG_TAIL_CHARS = 4000
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, crashed or hung inside :func:`run_distributed`."""
+
+
+@functools.cache
+def _context() -> BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerotrain", __name__])
+    return ctx
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    results: Any,
+    log_path: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    env: dict[str, str],
+    timeout_s: float,
+) -> None:
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        ZEROTRAIN_DEVICE="cpu",
+    )
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        outcome = ("ok", fn(*args, **kwargs))
+    except BaseException:
+        outcome = ("error", traceback.format_exc())
+    try:
+        payload = pickle.dumps(outcome)
+    except Exception:
+        payload = pickle.dumps(("error", "result is not picklable:\n" + traceback.format_exc()))
+    results.put((rank, payload))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.close(log_fd)
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return "<no output>"
+    return text[-_LOG_TAIL_CHARS:] if text.strip() else "<no output>"
+
+
+def _kill(procs: list[BaseProcess]) -> None:
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        if p.is_alive():
+            p.kill()
+    for p in started:
+        p.join(timeout=5)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
+
+    ``fn`` must be importable (a module-level function) and its arguments and result
+    picklable. Inside ``fn`` the default process group (gloo) is initialised and ``RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_RANK`` are set, so ``zerotrain.initialize`` just works.
+
+    Args:
+        fn: the function each rank runs.
+        world_size: number of processes.
+        timeout: seconds for the whole job; also the collective timeout inside it.
+        env: extra environment variables for the ranks.
+
+    Returns:
+        The return values, indexed by rank.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is in the message), died, or the
+            job did not finish within ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    log_dir = tempfile.mkdtemp(prefix="zerotrain-dist-")
+    logs = [os.path.join(log_dir, f"rank{r}.log") for r in range(world_size)]
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                fn,
+                r,
+                world_size,
+                store.port,
+                results,
+                logs[r],
+                args,
+                kwargs,
+                env or {},
+                timeout,
+            ),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, results, logs, world_size, timeout, fn)
+    finally:
+        _kill(procs)
+        del store
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _failure(
+    name: str,
+    world_size: int,
+    procs: list[BaseProcess],
+    results: Any,
+    logs: list[str],
+    done: dict[int, Any],
+    errors: dict[int, str],
+) -> DistributedTestError:
+    """Build the error for a failed job. A rank's exception often makes the others fail in
+    their next collective; wait a moment so the report can name the first cause."""
+    settle = time.monotonic() + 1.0
+    while time.monotonic() < settle:
+        try:
+            rank, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        status, value = pickle.loads(payload)
+        if status == "error":
+            errors[rank] = value
+        else:
+            done[rank] = value
+    dead = [
+        r for r, p in enumerate(procs) if r not in errors and r not in done and not p.is_alive()
+    ]
+    _kill(procs)
+    parts = [
+        f"{name}: rank {r} exited with code {procs[r].exitcode} without reporting a result "
+        f"(likely the first failure)\n--- rank {r} output ---\n{_tail(logs[r])}"
+        for r in dead
+    ]
+    parts += [
+        f"{name}: rank {r} of {world_size} raised:\n{tb}--- rank {r} output ---\n{_tail(logs[r])}"
+        for r, tb in errors.items()  # first reported first
+    ]
+    return DistributedTestError("\n".join(parts))
+
+
+def _collect(
+    procs: list[BaseProcess],
+    results: Any,
+    logs: list[str],
+    world_size: int,
+    timeout: float,
+    fn: Callable[..., Any],
+) -> list[Any]:
+    name = getattr(fn, "__qualname__", repr(fn))
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    silent_since: dict[int, float] = {}
+    while len(done) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            stuck = [r for r in range(world_size) if r not in done]
+            for r in stuck:
+                if procs[r].is_alive():
+                    os.kill(procs[r].pid, signal.SIGUSR1)  # type: ignore[arg-type]
+            time.sleep(1.0)
+            _kill(procs)
+            details = "\n".join(
+                f"--- rank {r} output (stacks at timeout) ---\n{_tail(logs[r])}" for r in stuck
+            )
+            raise DistributedTestError(
+                f"{name}: rank(s) {stuck} did not finish within {timeout:.0f}s "
+                f"(hung in a collective or a loop?)\n{details}"
+            )
+        try:
+            rank, payload = results.get(timeout=min(0.2, remaining))
+        except queue.Empty:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r in done or p.is_alive():
+                    continue
+                # Give a result that is still in the pipe a moment to arrive.
+                if now - silent_since.setdefault(r, now) > 2.0:
+                    _kill(procs)
+                    raise DistributedTestError(
+                        f"{name}: rank {r} exited with code {p.exitcode} without reporting a "
+                        f"result\n--- rank {r} output ---\n{_tail(logs[r])}"
+                    ) from None
+            continue
+        status, value = pickle.loads(payload)
+        if status == "error":
+            raise _failure(name, world_size, procs, results, logs, done, {rank: value})
+        done[rank] = value
+    for p in procs:
+        p.join(timeout=10)
+    return [done[r] for r in range(world_size)]

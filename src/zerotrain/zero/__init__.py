@@ -1,0 +1,1 @@
+"""The ZeRO strategy: what is partitioned (the stage) and when gradients are reduced."""

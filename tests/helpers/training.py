@@ -1,0 +1,202 @@
+"""Shared pieces of the parity tests: a tiny GPT, deterministic global batches, a zerotrain
+training loop (run on every rank) and the single-process reference it must match."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerotrain
+from zerotrain.examples.corpus import load_corpus
+from zerotrain.examples.gpt import GPT, GPTConfig, param_groups
+
+# No biases: the attention key bias has an identically zero gradient (softmax ignores a
+# constant added to every key), so Adam turns its pure rounding noise into lr-sized steps
+# and the comparison would measure noise amplification instead of zerotrain.
+TINY = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: optimizer, batch layout, and what the model looks like."""
+
+    optimizer: str = "Adam"
+    opt_params: dict[str, Any] = field(default_factory=lambda: {"lr": 3e-3, "weight_decay": 0.01})
+    steps: int = 20
+    micro_batch: int = 2
+    grad_accum: int = 2
+    clip: float = 1.0
+    two_groups: bool = False
+    freeze: str | None = None  # name of a parameter to freeze
+    stage: int = 0
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+def make_model(spec: RunSpec, cfg: GPTConfig = TINY) -> GPT:
+    torch.manual_seed(1234)
+    model = GPT(cfg)
+    if spec.freeze:
+        dict(model.named_parameters())[spec.freeze].requires_grad_(False)
+    return model
+
+
+def global_batches(spec: RunSpec, world_size: int, cfg: GPTConfig = TINY) -> torch.Tensor:
+    """Token windows of shape (steps, global_batch, block_size + 1), from the real corpus."""
+    data = torch.frombuffer(bytearray(load_corpus()[:200_000]), dtype=torch.uint8).long()
+    global_batch = spec.micro_batch * spec.grad_accum * world_size
+    gen = torch.Generator().manual_seed(99)
+    starts = torch.randint(
+        0, len(data) - cfg.block_size - 1, (spec.steps, global_batch), generator=gen
+    )
+    offsets = torch.arange(cfg.block_size + 1)
+    return data[starts[..., None] + offsets]
+
+
+def micro_batch(batches: torch.Tensor, spec: RunSpec, step: int, micro: int, rank: int, world: int):
+    """The samples rank ``rank`` uses in micro-step ``micro`` of ``step``."""
+    start = (micro * world + rank) * spec.micro_batch
+    window = batches[step, start : start + spec.micro_batch]
+    return window[:, :-1], window[:, 1:]
+
+
+def zerotrain_config(spec: RunSpec, world_size: int) -> dict[str, Any]:
+    return {
+        "train_batch_size": spec.micro_batch * spec.grad_accum * world_size,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "gradient_clipping": spec.clip,
+        "optimizer": {"type": spec.optimizer, "params": dict(spec.opt_params)},
+        "zero_optimization": {"stage": spec.stage, "reduce_bucket_size": 4000},
+        "steps_per_print": 1000,
+        **spec.extra_config,
+    }
+
+
+def train_zerotrain(spec: RunSpec) -> dict[str, Any]:
+    """Runs on every rank: returns per-step global losses and the final parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(spec)
+    groups = (
+        param_groups(model, spec.opt_params.get("weight_decay", 0.0)) if spec.two_groups else None
+    )
+    engine, _, _, _ = zerotrain.initialize(
+        model=model, model_parameters=groups, config=zerotrain_config(spec, world)
+    )
+    batches = global_batches(spec, world)
+    losses = []
+    for step in range(spec.steps):
+        total = 0.0
+        for micro in range(spec.grad_accum):
+            x, y = micro_batch(batches, spec, step, micro, rank, world)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        summed = engine.comm.all_reduce_floats([total])[0]
+        losses.append(summed / (world * spec.grad_accum))
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+class ReferenceLamb(torch.optim.Optimizer):
+    """LAMB written per parameter, straight from the paper (with DeepSpeed's trust-ratio
+    clamp), as an independent check of zerotrain's flat implementation."""
+
+    def __init__(
+        self,
+        params,
+        lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        max_coeff=10.0,
+        min_coeff=0.01,
+    ):
+        super().__init__(
+            params,
+            {
+                "lr": lr,
+                "betas": betas,
+                "eps": eps,
+                "weight_decay": weight_decay,
+                "max_coeff": max_coeff,
+                "min_coeff": min_coeff,
+            },
+        )
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["t"] += 1
+                t, m, v = state["t"], state["m"], state["v"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
+                update = update + group["weight_decay"] * p
+                w_norm, u_norm = p.norm().item(), update.norm().item()
+                ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+                ratio = min(max(ratio, group["min_coeff"]), group["max_coeff"])
+                p.add_(update, alpha=-group["lr"] * ratio)
+
+
+def reference_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
+    p = dict(spec.opt_params)
+    name = spec.optimizer.lower()
+    if name in ("adam", "adamw"):
+        decoupled = name == "adamw" or p.pop("adam_w_mode", True)
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(
+            params, lr=p["lr"], weight_decay=p.get("weight_decay", 0.0), eps=p.get("eps", 1e-8)
+        )
+    if name == "sgd":
+        return torch.optim.SGD(params, **p)
+    if name == "lamb":
+        return ReferenceLamb(params, **p)
+    raise ValueError(name)
+
+
+def train_reference(spec: RunSpec, world_size: int) -> dict[str, Any]:
+    """The same training in one process on the whole global batch, with plain PyTorch."""
+    model = make_model(spec)
+    groups = (
+        param_groups(model, spec.opt_params.get("weight_decay", 0.0))
+        if spec.two_groups
+        else [p for p in model.parameters() if p.requires_grad]
+    )
+    opt = reference_optimizer(spec, groups)
+    batches = global_batches(spec, world_size)
+    losses = []
+    for step in range(spec.steps):
+        x, y = batches[step, :, :-1], batches[step, :, 1:]
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        if spec.clip > 0:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], spec.clip
+            )
+        opt.step()
+        losses.append(loss.item())
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def assert_matches(result: dict[str, Any], reference: dict[str, Any], tol: float = 1e-5) -> None:
+    losses, ref_losses = result["losses"], reference["losses"]
+    worst = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+    assert worst <= tol, f"loss differs by {worst:.2e} (> {tol}): {losses} vs {ref_losses}"
+    assert not any(math.isnan(x) for x in losses)
+    for name, ref in reference["params"].items():
+        got = result["params"][name]
+        diff = (got - ref).abs().max().item()
+        assert diff <= tol, f"parameter {name} differs by {diff:.2e} (> {tol})"

@@ -1,0 +1,79 @@
+"""Hostfile parsing and the launcher's translation to torchrun arguments."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from zerotrain.cli.hostfile import Host, HostfileError, parse_hostfile, this_node_rank
+from zerotrain.cli.run import add_run_arguments, plan_launch
+
+
+def test_parse_hostfile_with_comments_and_default_slots():
+    text = "# cluster\nworker-0 slots=4\n\nworker-1 slots=4  # second\nworker-2\n"
+    assert parse_hostfile(text) == [Host("worker-0", 4), Host("worker-1", 4), Host("worker-2", 1)]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("worker-0 slots=x\n", "hostfile:1: expected 'hostname slots=N'"),
+        ("a slots=2\na slots=2\n", "hostfile:2: host 'a' is listed twice"),
+        ("a slots=0\n", "hostfile:1: slots must be >= 1"),
+        ("# nothing\n", "no hosts listed"),
+    ],
+)
+def test_bad_hostfiles_name_the_line(text, message):
+    with pytest.raises(HostfileError, match=message):
+        parse_hostfile(text)
+
+
+def test_node_rank_is_found_by_name():
+    hosts = [Host("a", 2), Host("b", 2)]
+    assert this_node_rank(hosts, names={"b", "localhost"}) == 1
+    with pytest.raises(HostfileError, match="pass --node-rank"):
+        this_node_rank(hosts, names={"c"})
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_single_node_uses_standalone_rendezvous_and_splits_threads():
+    plan = plan_launch(_args("-n", "2", "train.py", "--lr", "1"), environ={})
+    assert "--standalone" in plan.torchrun_args
+    assert "--nproc-per-node=2" in plan.torchrun_args
+    assert plan.torchrun_args[-5:] == [
+        "zerotrain.cli.bootstrap",
+        "--script",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    assert int(plan.env["OMP_NUM_THREADS"]) >= 1
+    assert "OMP_NUM_THREADS" not in plan_launch(_args("t.py"), environ={"OMP_NUM_THREADS": "3"}).env
+
+
+def test_hostfile_becomes_multi_node_rendezvous(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=4\nnode-b slots=4\n")
+    plan = plan_launch(_args("--hostfile", str(hostfile), "--node-rank", "1", "t.py"), environ={})
+    args = plan.torchrun_args
+    for expected in (
+        "--nproc-per-node=4",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node-a:29500",
+        "--node-rank=1",
+    ):
+        assert expected in args
+
+
+def test_hostfile_with_uneven_slots_is_refused(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=4\nb slots=2\n")
+    with pytest.raises(HostfileError, match="slots differ"):
+        plan_launch(_args("--hostfile", str(hostfile), "--node-rank", "0", "t.py"), environ={})
