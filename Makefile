@@ -1,5 +1,5 @@
 # make demo: create .venv, install torch 2.13.0 (CPU) and zerotrain, train the demo GPT.
-# make test: the same environment, then lint + format check + the whole test suite.
+# make test: the same environment, then lint, format check, type check and the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -21,6 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/pytest

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,7 @@ _ALLOWED: dict[str, str] = {
 }
 
 
-def _allowed(error: dict[str, Any]) -> str:
+def _allowed(error: ErrorDetails) -> str:
     kind = error["type"]
     ctx = error.get("ctx") or {}
     if kind == "literal_error":

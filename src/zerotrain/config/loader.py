@@ -199,8 +199,9 @@ def load_config(
     problems += auto_problems
     problems += _fold_max_grad_norm(raw)
     unknown = _split_unknown(raw, ZeroTrainConfig, ())
-    for kind in ("optimizer", "scheduler"):
-        problems += _validate_typed_params(raw, kind, unknown)  # type: ignore[arg-type]
+    kinds: tuple[Literal["optimizer", "scheduler"], ...] = ("optimizer", "scheduler")
+    for kind in kinds:
+        problems += _validate_typed_params(raw, kind, unknown)
 
     if mode == "warn":
         for problem in unknown:

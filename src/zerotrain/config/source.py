@@ -137,8 +137,8 @@ def read_config_source(
     if config is None:
         import sys
 
-        path = config_path_from_argv(sys.argv[1:] if argv is None else argv)
-        if path is None:
+        from_argv = config_path_from_argv(sys.argv[1:] if argv is None else argv)
+        if from_argv is None:
             raise ConfigError(
                 [
                     ConfigProblem(
@@ -148,8 +148,8 @@ def read_config_source(
                     )
                 ]
             )
-        config = path
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigError([ConfigProblem("config", f"config file not found: {path}")])
-    return parse_json_text(path.read_text(encoding="utf-8"), str(path)), str(path)
+        config = from_argv
+    file = Path(config)
+    if not file.is_file():
+        raise ConfigError([ConfigProblem("config", f"config file not found: {file}")])
+    return parse_json_text(file.read_text(encoding="utf-8"), str(file)), str(file)

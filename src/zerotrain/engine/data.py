@@ -35,7 +35,7 @@ class DistributedDataLoader:
         seed: int = 0,
         pin_memory: bool = False,
     ) -> None:
-        self.sampler = DistributedSampler(
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
             dataset,
             num_replicas=world_size,
             rank=rank,

@@ -133,7 +133,8 @@ class GPT(nn.Module):
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two optimizer groups: matrices with ``weight_decay``, biases/norms/embeddings without."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

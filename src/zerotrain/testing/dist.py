@@ -27,8 +27,8 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
-from multiprocessing.context import BaseContext
+from collections.abc import Callable, Sequence
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -43,7 +43,7 @@ class DistributedTestError(RuntimeError):
 
 
 @functools.cache
-def _context() -> BaseContext:
+def _context() -> ForkServerContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "zerotrain", __name__])
     return ctx
@@ -105,7 +105,7 @@ def _tail(path: str) -> str:
     return text[-_LOG_TAIL_CHARS:] if text.strip() else "<no output>"
 
 
-def _kill(procs: list[BaseProcess]) -> None:
+def _kill(procs: Sequence[BaseProcess]) -> None:
     started = [p for p in procs if p.pid is not None]
     for p in started:
         if p.is_alive():
@@ -180,7 +180,7 @@ def run_distributed(
 def _failure(
     name: str,
     world_size: int,
-    procs: list[BaseProcess],
+    procs: Sequence[BaseProcess],
     results: Any,
     logs: list[str],
     done: dict[int, Any],
@@ -216,7 +216,7 @@ def _failure(
 
 
 def _collect(
-    procs: list[BaseProcess],
+    procs: Sequence[BaseProcess],
     results: Any,
     logs: list[str],
     world_size: int,
