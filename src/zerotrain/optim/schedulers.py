@@ -28,6 +28,16 @@ def _per_group(optimizer: torch.optim.Optimizer, value: LrSpec, name: str) -> li
     return [float(value)] * groups
 
 
+def _warmup_steps(steps: int, kind: str) -> int:
+    """Validated warm-up length. A one-step log warm-up would divide by log(1) = 0, so it
+    becomes two steps, as in DeepSpeed; 0 means no warm-up."""
+    if kind not in ("log", "linear"):
+        raise ValueError(f"warmup_type must be 'log' or 'linear', got {kind!r}")
+    if steps < 0:
+        raise ValueError(f"warmup_num_steps must be >= 0, got {steps}")
+    return 0 if steps == 0 else max(2, steps)
+
+
 def _warmup_fraction(iteration: int, warmup_steps: int, kind: str) -> float:
     """Progress through warm-up in [0, 1]: logarithmic (DeepSpeed's default) or linear."""
     if warmup_steps == 0 or iteration >= warmup_steps:
@@ -96,18 +106,13 @@ class WarmupLR(_Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        if warmup_type not in ("log", "linear"):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
-        if warmup_num_steps < 0:
-            raise ValueError(f"warmup_num_steps must be >= 0, got {warmup_num_steps}")
+        self.warmup_num_steps = _warmup_steps(warmup_num_steps, warmup_type)
+        self.warmup_type = warmup_type
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         if warmup_max_lr is None:
             self.max_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         else:
             self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
-        # A one-step log warm-up would divide by log(1) = 0; DeepSpeed uses two steps.
-        self.warmup_num_steps = 0 if warmup_num_steps == 0 else max(2, warmup_num_steps)
-        self.warmup_type = warmup_type
         super().__init__(optimizer, last_batch_iteration)
 
     def _gamma(self, iteration: int) -> float:
@@ -168,16 +173,14 @@ class WarmupCosineLR(_Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        if warmup_type not in ("log", "linear"):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
         if total_num_steps < 1:
             raise ValueError(f"total_num_steps must be >= 1, got {total_num_steps}")
+        self.warmup_num_steps = _warmup_steps(warmup_num_steps, warmup_type)
+        self.warmup_type = warmup_type
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
-        self.warmup_num_steps = 0 if warmup_num_steps == 0 else max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
-        self.warmup_type = warmup_type
         super().__init__(optimizer, last_batch_iteration)
 
     def ratio_at(self, iteration: int) -> float:

@@ -1,0 +1,167 @@
+"""Run zerotrain and its peers side by side and write a results table.
+
+    python benchmarks/run.py --size small --world-size 2 \
+        --systems ddp,zerotrain-0,zero1torch,fsdp2,deepspeed-0 --steps 20
+
+Each system trains the same GPT on the same data with the same optimizer (AdamW, fused
+where torch has it), gradient clipping 1.0 and micro-batch, on ``--world-size`` CPU ranks
+(gloo). Systems run one after another, ``--repeats`` times in interleaved order, and the
+median step time is reported, so a system is not favoured by when it ran. Results are
+printed as a markdown table and, with ``--results``, appended to RESULTS.md with the command.
+DeepSpeed is skipped (with a note) when it is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def run_system(system: str, args: argparse.Namespace, out: Path) -> list[dict] | str:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.world_size}",
+        str(WORKER),
+        "--system",
+        system,
+        "--size",
+        args.size,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--out",
+        str(out),
+    ]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {args.timeout}s"
+    files = sorted(out.glob(f"{system}.rank*.json"))
+    if len(files) != args.world_size:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        return f"failed (exit {proc.returncode}): " + " | ".join(tail)
+    results = [json.loads(f.read_text()) for f in files]
+    for f in files:
+        f.unlink()
+    return results
+
+
+def summarize(system: str, runs: list[list[dict]]) -> dict:
+    times = [max(r["elapsed"] for r in ranks) / ranks[0]["steps"] for ranks in runs]
+    first = runs[0][0]
+    step_time = statistics.median(times)
+    all_ranks = [r for ranks in runs for r in ranks]
+    return {
+        "system": system,
+        "params": first["params"],
+        "step_time": step_time,
+        "tokens_per_s": first["tokens_per_step"] / step_time,
+        "peak_rss": max(r["peak_rss"] for r in all_ranks),
+        "rss_growth": max(r["peak_rss"] - r["baseline_rss"] for r in all_ranks),
+        "state": max(sum(r["state"].values()) for r in all_ranks),
+        "state_parts": runs[0][0]["state"],
+        "comm": first["comm_per_step"],
+        "final_loss": statistics.mean(r["losses"][-1] for r in runs[0]),
+    }
+
+
+def table(rows: list[dict], baseline: str) -> str:
+    base = next((r for r in rows if r["system"] == baseline), None)
+    lines = [
+        "| system | tokens/s | vs " + baseline + " | step ms | peak RSS/rank MiB | RSS growth MiB "
+        "| model states/rank MiB (params+grads+optim) | comm/step MiB (paper volume) | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"
+        parts = r["state_parts"]
+        state = (
+            f"{_mib(r['state'])} ({_mib(parts['params'])}+{_mib(parts['grads'])}"
+            f"+{_mib(parts['optimizer'])})"
+        )
+        comm = "n/a" if r["comm"] is None else _mib(r["comm"])
+        lines.append(
+            f"| {r['system']} | {r['tokens_per_s']:,.0f} | {ratio} | {1000 * r['step_time']:.1f} "
+            f"| {_mib(r['peak_rss'])} | {_mib(r['rss_growth'])} | {state} | {comm} "
+            f"| {r['final_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="ddp,zerotrain-0,zero1torch,fsdp2,deepspeed-0")
+    parser.add_argument("--size", default="small", choices=["small", "medium"])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    parser.add_argument("--timeout", type=int, default=1200)
+    parser.add_argument("--results", help="append the table to this markdown file")
+    args = parser.parse_args()
+
+    systems = args.systems.split(",")
+    notes = []
+    if any(s.startswith("deepspeed") for s in systems) and not importlib.util.find_spec(
+        "deepspeed"
+    ):
+        notes.append("DeepSpeed is not installed; its rows are skipped.")
+        systems = [s for s in systems if not s.startswith("deepspeed")]
+    runs: dict[str, list[list[dict]]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for system in systems:
+                result = run_system(system, args, Path(tmp))
+                if isinstance(result, str):
+                    notes.append(f"{system} (repeat {repeat + 1}): {result}")
+                else:
+                    runs[system].append(result)
+                print(
+                    f"[{repeat + 1}/{args.repeats}] {system}: "
+                    f"{'ok' if not isinstance(result, str) else result}",
+                    flush=True,
+                )
+    rows = [summarize(s, r) for s, r in runs.items() if r]
+    command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    report = "\n".join(
+        [
+            f"### {args.size} GPT ({rows[0]['params'] / 1e6:.1f}M parameters), "
+            f"{args.world_size} ranks, fp32"
+            if rows
+            else "### (no results)",
+            "",
+            f"`{command}`",
+            "",
+            table(rows, systems[0]) if rows else "",
+            "",
+            *(f"- {n}" for n in notes),
+        ]
+    )
+    print(report)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n" + report + "\n")
+
+
+if __name__ == "__main__":
+    main()
