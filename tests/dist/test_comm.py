@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -105,3 +106,23 @@ def test_communicator_needs_a_process_group():
     assert not dist.is_initialized()  # the test process itself never joins a group
     with pytest.raises(Exception, match="initialised process group"):
         Communicator()
+
+
+def _one_rank_never_joins() -> str:
+    comm = Communicator(timeout=datetime.timedelta(seconds=3))
+    if comm.rank == 1:
+        time.sleep(8)  # never issues the collective
+        return "slept"
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(2), purpose="gradients")
+    except CollectiveError as err:
+        return f"{time.monotonic() - start:.1f}s: {err}"
+    return "no error"
+
+
+def test_collective_that_never_completes_times_out_with_its_name():
+    out = run_distributed(_one_rank_never_joins, 2, timeout=60, comm_timeout=3)[0]
+    seconds, message = out.split("s: ", 1)
+    assert float(seconds) < 10
+    assert message.startswith("rank 0: all_reduce of gradients ((2,) float32, 8 bytes")

@@ -4,6 +4,7 @@ training loop (run on every rank) and the single-process reference it must match
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,12 @@ class RunSpec:
 
 
 def make_model(spec: RunSpec, cfg: GPTConfig = TINY) -> GPT:
-    torch.manual_seed(1234)
+    # ZEROTRAIN_TEST_RANK_SEED=1 gives every rank different initial weights: training must
+    # still match the reference built from rank 0's weights (which initialize broadcasts).
+    offset = 0
+    if os.environ.get("ZEROTRAIN_TEST_RANK_SEED") and dist.is_initialized():
+        offset = dist.get_rank()
+    torch.manual_seed(1234 + offset)
     model = GPT(cfg)
     if spec.freeze:
         dict(model.named_parameters())[spec.freeze].requires_grad_(False)
@@ -102,8 +108,9 @@ def train_zerotrain(spec: RunSpec) -> dict[str, Any]:
 
 
 class ReferenceLamb(torch.optim.Optimizer):
-    """LAMB written per parameter, straight from the paper (with DeepSpeed's trust-ratio
-    clamp), as an independent check of zerotrain's flat implementation."""
+    """LAMB written per parameter from DeepSpeed's fused kernel (moments not bias-corrected,
+    trust ratio on ``m / (sqrt(v) + eps) + wd * w``, bias correction folded into the step
+    size), as an independent check of zerotrain's flat implementation."""
 
     def __init__(
         self,
@@ -115,17 +122,15 @@ class ReferenceLamb(torch.optim.Optimizer):
         max_coeff=10.0,
         min_coeff=0.01,
     ):
-        super().__init__(
-            params,
-            {
-                "lr": lr,
-                "betas": betas,
-                "eps": eps,
-                "weight_decay": weight_decay,
-                "max_coeff": max_coeff,
-                "min_coeff": min_coeff,
-            },
-        )
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "max_coeff": max_coeff,
+            "min_coeff": min_coeff,
+        }
+        super().__init__(params, defaults)
 
     @torch.no_grad()
     def step(self):
@@ -141,12 +146,13 @@ class ReferenceLamb(torch.optim.Optimizer):
                 t, m, v = state["t"], state["m"], state["v"]
                 m.mul_(b1).add_(p.grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                update = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
-                update = update + group["weight_decay"] * p
+                update = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
                 w_norm, u_norm = p.norm().item(), update.norm().item()
-                ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
-                ratio = min(max(ratio, group["min_coeff"]), group["max_coeff"])
-                p.add_(update, alpha=-group["lr"] * ratio)
+                ratio = 1.0
+                if w_norm > 0 and u_norm > 0:
+                    ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+                step_size = group["lr"] * (1 - b2**t) ** 0.5 / (1 - b1**t)
+                p.add_(update, alpha=-step_size * ratio)
 
 
 def reference_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:

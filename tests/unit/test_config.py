@@ -78,7 +78,10 @@ def test_wrong_type_names_path_value_and_allowed():
     message = only_problem({"zero_optimization": {"stage": "two"}})
     assert message.startswith("zero_optimization.stage:")
     assert "got 'two'" in message
-    assert "one of 0, 1, 2 or 3" in message
+    assert "whole number" in message
+    assert only_problem({"zero_optimization": {"stage": 4}}).endswith("allowed: a number <= 3")
+    # Booleans are not numbers here, although Python says True == 1.
+    assert "got True" in only_problem({"zero_optimization": {"stage": True}})
 
 
 def test_out_of_range_value():
@@ -367,8 +370,66 @@ def test_initialize_refuses_unbuilt_features_before_touching_the_model():
 
     import zerotrain
 
-    with pytest.raises(NotImplementedError, match=r"zero_optimization\.stage=2"):
+    with pytest.raises(NotImplementedError, match=r"zero_optimization\.stage=3"):
         zerotrain.initialize(
             model=torch.nn.Linear(2, 2),
-            config={"train_batch_size": 2, "zero_optimization": {"stage": 2}},
+            config={"train_batch_size": 2, "zero_optimization": {"stage": 3}},
         )
+    assert not torch.distributed.is_initialized()  # refused before joining a group
+
+
+def test_misspelt_key_set_to_auto_is_still_unknown():
+    message = only_problem({"gradient_acumulation_steps": "auto"})
+    assert "did you mean 'gradient_accumulation_steps'?" in message
+    message = only_problem({"optimizer": {"type": "AdamW", "params": {"weight_decya": "auto"}}})
+    assert message.startswith("optimizer.params.weight_decya:")
+
+
+def test_auto_stage_must_be_filled_in():
+    assert 'is "auto"' in only_problem({"zero_optimization": {"stage": "auto"}})
+
+
+@pytest.mark.parametrize(
+    ("config", "path", "allowed"),
+    [
+        (
+            {"optimizer": {"type": "SGD", "params": {"momentum": 1.5}}},
+            "optimizer.params.momentum",
+            "<= 1",
+        ),
+        (
+            {
+                "optimizer": {"type": "Adam"},
+                "scheduler": {
+                    "type": "WarmupCosineLR",
+                    "params": {"total_num_steps": 10, "cos_min_ratio": 3},
+                },
+            },
+            "scheduler.params.cos_min_ratio",
+            "<= 1",
+        ),
+        (
+            {
+                "optimizer": {"type": "Adam"},
+                "scheduler": {
+                    "type": "WarmupDecayLR",
+                    "params": {"total_num_steps": 10, "warmup_num_steps": 100},
+                },
+            },
+            "scheduler.params",
+            "the decay would never start",
+        ),
+    ],
+)
+def test_hyperparameter_ranges(config, path, allowed):
+    message = only_problem(config)
+    assert message.startswith(path + ":")
+    assert allowed in message
+
+
+def test_errors_say_a_path_came_from_the_command_line(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text("n_layers: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, argv=["--config", str(path)])
+    assert "from --config on the command line" in str(info.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -43,37 +44,60 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_single_node_uses_standalone_rendezvous_and_splits_threads():
-    plan = plan_launch(_args("-n", "2", "train.py", "--lr", "1"), environ={})
+    plan = plan_launch(_args("-n", "2", "train.py", "--lr", "1"), environ={}, cuda_available=False)
     assert "--standalone" in plan.torchrun_args
     assert "--nproc-per-node=2" in plan.torchrun_args
-    assert plan.torchrun_args[-5:] == [
-        "zerotrain.cli.bootstrap",
-        "--script",
-        "train.py",
-        "--lr",
-        "1",
-    ]
-    assert int(plan.env["OMP_NUM_THREADS"]) >= 1
-    assert "OMP_NUM_THREADS" not in plan_launch(_args("t.py"), environ={"OMP_NUM_THREADS": "3"}).env
+    tail = ["zerotrain.cli.bootstrap", "--script", "train.py", "--lr", "1"]
+    assert plan.torchrun_args[-5:] == tail
+    cores = os.cpu_count() or 1
+    assert plan.env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    one = plan_launch(_args("-n", "1", "t.py"), environ={}, cuda_available=False)
+    assert one.env["OMP_NUM_THREADS"] == str(cores)
+    preset = plan_launch(_args("t.py"), environ={"OMP_NUM_THREADS": "3"}, cuda_available=False)
+    assert "OMP_NUM_THREADS" not in preset.env
+    on_gpu = plan_launch(_args("-n", "2", "t.py"), environ={}, cuda_available=True)
+    assert "OMP_NUM_THREADS" not in on_gpu.env
 
 
 def test_hostfile_becomes_multi_node_rendezvous(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=4\nnode-b slots=4\n")
-    plan = plan_launch(_args("--hostfile", str(hostfile), "--node-rank", "1", "t.py"), environ={})
-    args = plan.torchrun_args
-    for expected in (
+    args = _args("--hostfile", str(hostfile), "--node-rank", "1", "t.py")
+    plan = plan_launch(args, environ={}, cuda_available=False)
+    expected = (
         "--nproc-per-node=4",
         "--nnodes=2",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=node-a:29500",
         "--node-rank=1",
-    ):
-        assert expected in args
+    )
+    for item in expected:
+        assert item in plan.torchrun_args
+
+
+def test_single_host_hostfile_stays_standalone(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=3\n")
+    plan = plan_launch(_args("--hostfile", str(hostfile), "t.py"), environ={}, cuda_available=False)
+    assert "--standalone" in plan.torchrun_args
+    assert "--nproc-per-node=3" in plan.torchrun_args
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("-n", "0", "t.py"), "-n must be >= 1, got 0"),
+        (("--nnodes", "2", "t.py"), "--nnodes 2 needs the address of node 0"),
+    ],
+)
+def test_inconsistent_launch_options_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        plan_launch(_args(*argv), environ={}, cuda_available=False)
 
 
 def test_hostfile_with_uneven_slots_is_refused(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=4\nb slots=2\n")
+    args = _args("--hostfile", str(hostfile), "--node-rank", "0", "t.py")
     with pytest.raises(HostfileError, match="slots differ"):
-        plan_launch(_args("--hostfile", str(hostfile), "--node-rank", "0", "t.py"), environ={})
+        plan_launch(args, environ={}, cuda_available=False)

@@ -29,13 +29,14 @@ def _flat(tensors: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
 def _run_flat(opt_cls, steps: int = 5, pad: int = 0, **kwargs) -> torch.Tensor:
     flat = _flat(_params(), pad)
     spans, start = [], 0
-    for s in SHAPES:
+    for pid, s in enumerate(SHAPES):
         n = torch.Size(s).numel()
-        spans.append((start, start + n))
+        spans.append((start, start + n, pid))
         start += n
     group = {"params": [flat]}
     if opt_cls is Lamb:
         group["segments"] = [tuple(spans)]
+        group["num_ids"] = len(SHAPES)
     opt = opt_cls([group], **kwargs)
     for step in range(steps):
         flat.grad = _flat(_grads(step), pad)
@@ -101,9 +102,8 @@ def test_lamb_partial_norms_are_reduced_through_the_callback():
         seen.append(squares.shape)
 
     flat = _flat(_params())
-    opt = Lamb(
-        [{"params": [flat], "segments": [((0, 12), (12, 17), (17, 21))]}], norm_reducer=reducer
-    )
+    segments = [((0, 12, 0), (12, 17, 1), (17, 21, 2))]
+    opt = Lamb([{"params": [flat], "segments": segments, "num_ids": 3}], norm_reducer=reducer)
     flat.grad = _flat(_grads(0))
     opt.step()
     assert seen == [torch.Size([2, 3])]  # weight and update norms of 3 parameters
@@ -146,3 +146,19 @@ def test_clip_reduces_partial_norms_and_measures_only_when_disabled():
     assert calls == [1]
     assert norm.item() == pytest.approx((2 * 36) ** 0.5)
     assert torch.equal(grads[0], torch.full((4,), 3.0))
+
+
+def test_lamb_parameter_split_across_tensors_uses_one_trust_ratio():
+    # As with ZeRO sharding: parameter 1 (elements 12..17) is split between two tensors.
+    whole = _run_flat(Lamb, lr=0.01, weight_decay=0.1)
+    flat = _flat(_params())
+    left, right = flat[:14].clone(), flat[14:].clone()
+    segments = [((0, 12, 0), (12, 14, 1)), ((0, 3, 1), (3, 7, 2))]
+    opt = Lamb(
+        [{"params": [left, right], "segments": segments, "num_ids": 3}], lr=0.01, weight_decay=0.1
+    )
+    for step in range(5):
+        grad = _flat(_grads(step))
+        left.grad, right.grad = grad[:14].clone(), grad[14:].clone()
+        opt.step()
+    torch.testing.assert_close(torch.cat([left, right]), whole, rtol=0, atol=1e-7)

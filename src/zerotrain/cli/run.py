@@ -58,44 +58,69 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
 
 
-def _default_nproc() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+def _node_layout(
+    args: argparse.Namespace,
+) -> tuple[int | None, str | None, int | None, str | None]:
+    """``(nproc, nnodes, node_rank, master_addr)`` from the options and the hostfile."""
+    nproc, nnodes, node_rank, master_addr = (
+        args.nproc_per_node,
+        args.nnodes,
+        args.node_rank,
+        args.master_addr,
+    )
+    if not args.hostfile:
+        return nproc, nnodes, node_rank, master_addr
+    hosts = read_hostfile(args.hostfile)
+    slots = {h.slots for h in hosts}
+    if len(slots) != 1:
+        raise HostfileError(
+            f"{args.hostfile}: torchrun runs the same number of processes on every node, "
+            f"but slots differ ({', '.join(f'{h.name}={h.slots}' for h in hosts)})"
+        )
+    host_slots = slots.pop()
+    if nproc is not None and nproc > host_slots:
+        raise HostfileError(f"-n {nproc} exceeds the hostfile's {host_slots} slots per host")
+    if len(hosts) == 1:
+        return (host_slots if nproc is None else nproc), nnodes, node_rank, master_addr
+    if node_rank is None:
+        node_rank = this_node_rank(hosts)
+    return (
+        host_slots if nproc is None else nproc,
+        nnodes or str(len(hosts)),
+        node_rank,
+        master_addr or hosts[0].name,
+    )
 
 
-def plan_launch(args: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchPlan:
+def plan_launch(
+    args: argparse.Namespace,
+    environ: dict[str, str] | None = None,
+    cuda_available: bool | None = None,
+) -> LaunchPlan:
     """Translate ``zerotrain run`` options into torchrun arguments and environment.
+
+    torchrun starts the processes of one node; a multi-node job runs the same command on
+    every node (each finds its rank in the hostfile, or takes ``--node-rank``).
 
     Raises:
         HostfileError / ValueError: inconsistent options, with what to change.
     """
     environ = dict(os.environ if environ is None else environ)
-    nproc = args.nproc_per_node
-    nnodes, node_rank, master_addr = args.nnodes, args.node_rank, args.master_addr
-    if args.hostfile:
-        hosts = read_hostfile(args.hostfile)
-        slots = {h.slots for h in hosts}
-        if len(slots) != 1:
-            raise HostfileError(
-                f"{args.hostfile}: torchrun runs the same number of processes on every node, "
-                f"but slots differ ({', '.join(f'{h.name}={h.slots}' for h in hosts)})"
-            )
-        host_slots = slots.pop()
-        if nproc is not None and nproc > host_slots:
-            raise HostfileError(f"-n {nproc} exceeds the hostfile's {host_slots} slots per host")
-        nproc = nproc or host_slots
-        nnodes = nnodes or str(len(hosts))
-        master_addr = master_addr or hosts[0].name
-        if node_rank is None:
-            node_rank = this_node_rank(hosts)
-    nproc = nproc or _default_nproc()
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    nproc, nnodes, node_rank, master_addr = _node_layout(args)
+    if nproc is None:
+        nproc = torch.cuda.device_count() if cuda else 1
     if nproc < 1:
         raise ValueError(f"-n must be >= 1, got {nproc}")
 
     torchrun = [f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
-    multi_node = nnodes not in (None, "1") or master_addr or args.rdzv_endpoint
-    if multi_node:
-        port = args.master_port or DEFAULT_PORT
-        endpoint = args.rdzv_endpoint or f"{master_addr or '127.0.0.1'}:{port}"
+    if nnodes not in (None, "1") or master_addr or args.rdzv_endpoint:
+        if not (master_addr or args.rdzv_endpoint):
+            raise ValueError(
+                f"--nnodes {nnodes} needs the address of node 0: pass --master-addr, "
+                "--rdzv-endpoint or a --hostfile"
+            )
+        endpoint = args.rdzv_endpoint or f"{master_addr}:{args.master_port or DEFAULT_PORT}"
         torchrun += [
             f"--nnodes={nnodes or 1}",
             f"--rdzv-backend={args.rdzv_backend or 'c10d'}",
@@ -110,7 +135,7 @@ def plan_launch(args: argparse.Namespace, environ: dict[str, str] | None = None)
         torchrun.append("--standalone")  # single node: torchrun picks a free port itself
 
     env: dict[str, str] = {}
-    if "OMP_NUM_THREADS" not in environ and not torch.cuda.is_available():
+    if "OMP_NUM_THREADS" not in environ and not cuda:
         # CPU ranks share the cores; oversubscribed OpenMP pools slow everyone down.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     target = [

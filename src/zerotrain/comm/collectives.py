@@ -72,20 +72,37 @@ def _failure_message(what: str, exc: BaseException) -> str:
 class Communicator:
     """Collectives over one process group, counted in ``stats``.
 
+    Every collective is issued asynchronously and waited on through a :class:`Handle`, so
+    blocking and non-blocking calls fail the same way, after the same ``timeout``.
+
     Args:
         group: the process group (None = the default group).
-        timeout: how long ``Handle.wait`` waits before raising ``CollectiveError``.
+        timeout: how long a wait lasts before raising ``CollectiveError`` (gloo). NCCL waits
+            are left to the process group's own watchdog: a host-side timed wait on NCCL
+            would block the CPU until the GPU finished, defeating overlap.
+        device: where small control tensors (loss averages, flags) live; default: CUDA's
+            current device for NCCL, else CPU.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+        device: torch.device | None = None,
     ) -> None:
         invariant(dist.is_initialized(), "Communicator needs an initialised process group")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        self.timeout = timeout
+        self.timeout = timeout if self.backend == "gloo" else None
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if self.backend == "nccl"
+                else torch.device("cpu")
+            )
+        self.device = device
         self.stats = CommStats()
 
     def snapshot(self) -> CommSnapshot:
@@ -114,10 +131,10 @@ class Communicator:
 
         self.stats.record(op, purpose, nbytes)
         try:
-            work = call(async_op)
+            work = call(True)
         except Exception as exc:
             raise CollectiveError(_failure_message(describe(), exc)) from exc
-        handle = Handle(work if async_op else None, describe, on_done, self.timeout)
+        handle = Handle(work, describe, on_done, self.timeout)
         if not async_op:
             handle.wait()
         return handle
@@ -215,9 +232,7 @@ class Communicator:
 
     def all_reduce_floats(self, values: Sequence[float], *, op: str = "sum") -> list[float]:
         """Reduce a few Python floats (losses, flags) in one small collective."""
-        tensor = torch.tensor(list(values), dtype=torch.float64)
-        if self.backend == "nccl":
-            tensor = tensor.cuda()
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         self.all_reduce(tensor, purpose="control", op=op)
         return tensor.cpu().tolist()
 

@@ -86,6 +86,8 @@ def _env_int(name: str, default: int | None = None) -> int:
 def _env_from_group(timeout: datetime.timedelta) -> DistEnv:
     local_rank = _env_int("LOCAL_RANK", 0)
     device, expected_backend = select_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     backend = str(dist.get_backend())
     if expected_backend not in backend:
         raise RuntimeError(

@@ -29,6 +29,7 @@ _MUST_FILL: dict[tuple[str, ...], str] = {
     ("scheduler", "params", "total_num_steps"): "the total number of optimizer steps",
     ("scheduler", "params", "warmup_num_steps"): "the number of warm-up steps",
     ("gradient_clipping",): "the clipping threshold (0 disables clipping)",
+    ("zero_optimization", "stage"): "the ZeRO stage",
 }
 _MAX_LR = ("scheduler", "params", "warmup_max_lr")
 

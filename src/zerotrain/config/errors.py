@@ -132,7 +132,9 @@ def problems_from_validation(
             problems.append(ConfigProblem(path, "missing; " + _allowed(error)))
         elif error["type"] == "value_error":
             message = str((error.get("ctx") or {}).get("error", error["msg"]))
-            problems.append(ConfigProblem(path, f"got {error['input']!r}; {message}"))
+            # A check over a whole section (input is the section) already names the values.
+            got = "" if isinstance(error["input"], dict) else f"got {error['input']!r}; "
+            problems.append(ConfigProblem(path, got + message))
         else:
             problems.append(
                 ConfigProblem(path, f"got {error['input']!r}; allowed: {_allowed(error)}")

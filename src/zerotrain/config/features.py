@@ -11,7 +11,7 @@ from zerotrain.config import optim_params
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.types import LooseSection
 
-IMPLEMENTED_STAGES: tuple[int, ...] = (0,)
+IMPLEMENTED_STAGES: tuple[int, ...] = (0, 1, 2)
 
 # Loose sections and the rule that says they are switched on.
 _LOOSE_ENABLED_BY_FLAG = (

@@ -86,42 +86,46 @@ def _fold_max_grad_norm(raw: dict[str, Any]) -> list[ConfigProblem]:
     return []
 
 
-def _validate_typed_params(
-    raw: dict[str, Any], kind: Literal["optimizer", "scheduler"], unknown: list[ConfigProblem]
-) -> list[ConfigProblem]:
-    """Check ``raw[kind].params`` against the model for ``raw[kind].type``; normalise in place."""
+def _params_model(
+    raw: dict[str, Any], kind: Literal["optimizer", "scheduler"]
+) -> tuple[type[BaseModel] | None, list[ConfigProblem]]:
+    """The params model for ``raw[kind].type`` (None when there is nothing to check)."""
     section = raw.get(kind)
     if not isinstance(section, dict) or not isinstance(section.get("type"), str):
-        return []  # missing/ill-typed section: phase 1 reports it
+        return None, []  # missing/ill-typed section: schema validation reports it
     type_name = section["type"]
     model = optim_params.params_model(kind, type_name)
-    if model is None:
-        if kind == "optimizer":
-            key = optim_params.canonical_optimizer(type_name)
-            known = [*optim_params.OPTIMIZER_PARAMS, *optim_params.OPTIMIZERS_NOT_IMPLEMENTED]
-            if key in optim_params.OPTIMIZERS_NOT_IMPLEMENTED:
-                return []  # a known name: features.py reports "not implemented" at initialize
-            display = [optim_params.OPTIMIZER_DISPLAY[k] for k in known]
-        else:
-            if (
-                optim_params.canonical_scheduler(type_name)
-                in optim_params.SCHEDULERS_NOT_IMPLEMENTED
-            ):
-                return []
-            display = [*optim_params.SCHEDULER_PARAMS, *optim_params.SCHEDULERS_NOT_IMPLEMENTED]
-        guess = closest(type_name, display)
-        hint = f"did you mean '{guess}'?" if guess else f"allowed: {', '.join(display)}"
-        return [ConfigProblem(f"{kind}.type", f"unknown {kind} type '{type_name}'; {hint}")]
+    if model is not None:
+        return model, []
+    if kind == "optimizer":
+        if optim_params.canonical_optimizer(type_name) in optim_params.OPTIMIZERS_NOT_IMPLEMENTED:
+            return None, []  # a known name: features.py reports "not implemented" at initialize
+        known = [*optim_params.OPTIMIZER_PARAMS, *optim_params.OPTIMIZERS_NOT_IMPLEMENTED]
+        display = [optim_params.OPTIMIZER_DISPLAY[k] for k in known]
+    else:
+        if optim_params.canonical_scheduler(type_name) in optim_params.SCHEDULERS_NOT_IMPLEMENTED:
+            return None, []
+        display = [*optim_params.SCHEDULER_PARAMS, *optim_params.SCHEDULERS_NOT_IMPLEMENTED]
+    guess = closest(type_name, display)
+    hint = f"did you mean '{guess}'?" if guess else f"allowed: {', '.join(display)}"
+    return None, [ConfigProblem(f"{kind}.type", f"unknown {kind} type '{type_name}'; {hint}")]
+
+
+def _validate_typed_params(
+    raw: dict[str, Any], kind: Literal["optimizer", "scheduler"], model: type[BaseModel]
+) -> list[ConfigProblem]:
+    """Check ``raw[kind].params`` against ``model``; normalise it and the type name in place."""
+    section = raw[kind]
     params = section.get("params", {})
     if not isinstance(params, dict):
-        return []  # phase 1 reports the wrong type
-    unknown += _split_unknown(params, model, (kind, "params"))
+        return []  # schema validation reports the wrong type
     try:
         typed = model.model_validate(params)
     except ValidationError as exc:
         return problems_from_validation(exc, prefix=(kind, "params"))
     # Keep only what the user wrote (normalised), so "explicitly set" stays visible.
     section["params"] = typed.model_dump(exclude_unset=True)
+    type_name = section["type"]
     section["type"] = (
         optim_params.OPTIMIZER_DISPLAY[optim_params.canonical_optimizer(type_name)]
         if kind == "optimizer"
@@ -148,7 +152,10 @@ def _auto_note(cfg: ZeroTrainConfig, resolution: AutoResolution) -> str:
     if resolution.how == "derived":
         return f'{dotted}: "auto" -> derived from the other batch sizes and the world size'
     source = "optimizer lr" if resolution.how == "optimizer_lr" else "default"
-    return f'{dotted}: "auto" -> {_effective_value(cfg, resolution.path)!r} ({source})'
+    value = _effective_value(cfg, resolution.path)
+    if value is None:
+        return f'{dotted}: "auto" -> unset (zerotrain chooses; see docs/config.md)'
+    return f'{dotted}: "auto" -> {value!r} ({source})'
 
 
 def _first_per_path(problems: list[ConfigProblem]) -> list[ConfigProblem]:
@@ -195,13 +202,23 @@ def load_config(
     raw = copy.deepcopy(raw)
 
     problems, legacy_notes = apply_legacy_spellings(raw)
-    resolutions, auto_problems = resolve_auto(raw)
-    problems += auto_problems
     problems += _fold_max_grad_norm(raw)
+    # Unknown keys first: a misspelt key set to "auto" must not be resolved away silently.
     unknown = _split_unknown(raw, ZeroTrainConfig, ())
+    models: dict[Literal["optimizer", "scheduler"], type[BaseModel]] = {}
     kinds: tuple[Literal["optimizer", "scheduler"], ...] = ("optimizer", "scheduler")
     for kind in kinds:
-        problems += _validate_typed_params(raw, kind, unknown)
+        model, type_problems = _params_model(raw, kind)
+        problems += type_problems
+        if model is not None:
+            models[kind] = model
+            params = raw[kind].get("params")
+            if isinstance(params, dict):
+                unknown += _split_unknown(params, model, (kind, "params"))
+    resolutions, auto_problems = resolve_auto(raw)
+    problems += auto_problems
+    for kind, model in models.items():
+        problems += _validate_typed_params(raw, kind, model)
 
     if mode == "warn":
         for problem in unknown:

@@ -23,6 +23,7 @@ from zerotrain.config.types import (
 )
 
 Betas = tuple[Probability, Probability]
+Ratio = Annotated[Float, Field(ge=0, le=1)]
 
 
 class AdamParams(Section):
@@ -58,8 +59,8 @@ class SGDParams(Section):
     """SGD with optional (Nesterov) momentum, as ``torch.optim.SGD``."""
 
     lr: NonNegativeFloat = 1e-3
-    momentum: NonNegativeFloat = 0.0
-    dampening: NonNegativeFloat = 0.0
+    momentum: Annotated[Float, Field(ge=0, le=1)] = 0.0
+    dampening: Annotated[Float, Field(ge=0, le=1)] = 0.0
     weight_decay: NonNegativeFloat = 0.0
     nesterov: Bool = False
 
@@ -112,6 +113,15 @@ class WarmupDecayLRParams(WarmupLRParams):
 
     total_num_steps: PositiveInt
 
+    @model_validator(mode="after")
+    def _decay_after_warmup(self) -> WarmupDecayLRParams:
+        if self.total_num_steps < self.warmup_num_steps:
+            raise ValueError(
+                f"total_num_steps ({self.total_num_steps}) is smaller than warmup_num_steps "
+                f"({self.warmup_num_steps}): the decay would never start"
+            )
+        return self
+
 
 class WarmupCosineLRParams(Section):
     """WarmupCosineLR: lr ratio rises from ``warmup_min_ratio`` to 1 over
@@ -120,9 +130,9 @@ class WarmupCosineLRParams(Section):
     means no warm-up."""
 
     total_num_steps: PositiveInt
-    warmup_min_ratio: NonNegativeFloat = 0.0
+    warmup_min_ratio: Ratio = 0.0
     warmup_num_steps: NonNegativeInt = 1000
-    cos_min_ratio: NonNegativeFloat = 1e-4
+    cos_min_ratio: Ratio = 1e-4
     warmup_type: WarmupType = "log"
     last_batch_iteration: Int = -1
 

@@ -35,7 +35,8 @@ class SchedulerSpec:
 
 @dataclass(frozen=True, slots=True)
 class GradReducePolicy:
-    """How gradients are averaged across data-parallel ranks.
+    """How gradients are averaged across data-parallel ranks, in buckets of ``bucket_numel``
+    elements.
 
     Gradients are multiplied by ``1 / pre_divide`` before the reduction and divided by
     ``post_divide`` after it; ``pre_divide * post_divide == world_size``, so the result is the
@@ -43,7 +44,7 @@ class GradReducePolicy:
     ``prescale_gradients`` / ``gradient_predivide_factor``).
     """
 
-    bucket_numel: int
+    bucket_numel: int | None  # None: sized from the model
     overlap: bool
     pre_divide: float
     post_divide: float

@@ -7,7 +7,7 @@ enabled feature is usable and says so clearly when it is not.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -112,12 +112,14 @@ def _offload_section(value: Any) -> Any:
 class ZeroConfig(Section):
     """``zero_optimization``: which model states are partitioned across data-parallel ranks."""
 
-    stage: Literal[0, 1, 2, 3] = 0
+    stage: Annotated[Int, Field(ge=0, le=3)] = 0
     overlap_comm: Bool | None = None  # None: on (reduce from backward hooks)
     contiguous_gradients: Bool = True
     reduce_scatter: Bool = True
-    # Elements per communication bucket; 0 means one tensor per bucket (no batching).
-    reduce_bucket_size: NonNegativeInt = 500_000_000
+    # Elements per communication bucket; 0 means one tensor per bucket (no batching). Unset:
+    # sized from the model (see zero/units.py), so every model gets overlap and stage 2's
+    # bounded gradient memory (DeepSpeed's 5e8 default puts most models in one bucket).
+    reduce_bucket_size: NonNegativeInt | None = None
     allgather_partitions: Bool = True
     allgather_bucket_size: NonNegativeInt = 500_000_000
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)

@@ -148,8 +148,12 @@ def read_config_source(
                     )
                 ]
             )
-        config = from_argv
-    file = Path(config)
+        file = Path(from_argv)
+        # --config is a common flag name; say where the path came from in every message.
+        source = f"{file} (from --config on the command line)"
+    else:
+        file = Path(config)
+        source = str(file)
     if not file.is_file():
-        raise ConfigError([ConfigProblem("config", f"config file not found: {file}")])
-    return parse_json_text(file.read_text(encoding="utf-8"), str(file)), str(file)
+        raise ConfigError([ConfigProblem("config", f"config file not found: {source}")])
+    return parse_json_text(file.read_text(encoding="utf-8"), source), source

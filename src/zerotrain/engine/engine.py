@@ -1,17 +1,19 @@
 """The Engine: the training-step state machine behind ``zerotrain.initialize``.
 
 One micro-step is ``engine(batch)`` -> ``engine.backward(loss)`` -> ``engine.step()``.
-Gradients accumulate in flat buffers over ``gradient_accumulation_steps`` micro-steps; only
-the last (the accumulation boundary) communicates, reducing gradients from autograd hooks
-while backward is still running. ``step()`` then clips, updates and schedules, and does
-nothing but count on the other micro-steps. The Engine is a thin facade: units, hooks,
-collectives and optimizer math live in their own layers.
+Gradients accumulate over ``gradient_accumulation_steps`` micro-steps and are reduced across
+ranks from autograd hooks while backward is still running (at the boundary; every micro-step
+at stage 2). ``step()`` then clips, updates and schedules on the boundary and only counts on
+the other micro-steps. The Engine is a thin facade: units, hooks, collectives and optimizer
+math live in their own layers (``zero.strategy.ZeroStrategy`` is the one it talks to).
+
+Like DeepSpeed's engine, it is an ``nn.Module`` wrapping the model as ``engine.module``, so
+``engine.parameters()``, ``engine.train()`` and ``engine.state_dict()`` work as expected.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,21 +29,21 @@ from zerotrain.engine.accounting import (
     optimizer_state_bytes,
     tensor_bytes,
 )
+from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.optim.clip import clip_grads_
-from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import format_bytes, peak_rss_bytes
-from zerotrain.zero.grad_sync import GradientSynchronizer
+from zerotrain.zero.strategy import ZeroStrategy
 
 log = get_logger(__name__)
 
 
-class Engine:
+class Engine(nn.Module):
     """Wraps a model for data-parallel training; built by :func:`zerotrain.initialize`.
 
     Attributes:
-        module: the user's model (its parameters now live in flat buffers).
-        optimizer: the optimizer stepped at each accumulation boundary.
+        module: the user's model (its trainable parameters now live in flat buffers).
+        optimizer: the optimizer stepped at each accumulation boundary (or None).
         lr_scheduler: stepped after each optimizer step (or None).
         env: rank, world size, device and backend of this process.
     """
@@ -52,19 +54,19 @@ class Engine:
         env: DistEnv,
         comm: Communicator,
         policy: TrainingPolicy,
-        units: Sequence[ShardedUnit],
-        sync: GradientSynchronizer,
-        optimizer: torch.optim.Optimizer | None,
+        strategy: ZeroStrategy,
+        optimizer: EngineOptimizer,
         lr_scheduler: Any,
     ) -> None:
+        super().__init__()
         self.module = module
         self.env = env
         self.comm = comm
         self.policy = policy
-        self.units = list(units)
-        self.optimizer = optimizer
+        self.strategy = strategy
+        self.optimizer = optimizer.optimizer
+        self._steps_model_params = optimizer.steps_model_params
         self.lr_scheduler = lr_scheduler
-        self._sync = sync
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -74,10 +76,7 @@ class Engine:
         self._window_start = time.perf_counter()
         self._window_samples = 0
 
-    # -- forward / backward / step ----------------------------------------------------------
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+    # -- forward / backward / step --------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (same signature as the model)."""
@@ -87,12 +86,13 @@ class Engine:
         """True on the micro-step whose ``step()`` updates the parameters."""
         return (self.micro_steps + 1) % self.policy.batch.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backpropagate ``loss`` of one micro-batch.
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate ``loss`` of one micro-batch; returns ``loss``.
 
         The loss is divided by the number of accumulation steps, so the accumulated gradient
-        is the mean over the global batch. On the boundary micro-step, gradients are
-        averaged across ranks while backward runs; this call returns once they are.
+        is the mean over the global batch. When this micro-step communicates, gradients are
+        reduced across ranks while backward runs; this call returns once they are. If
+        backward raises, the gradients of the current accumulation window are discarded.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("backward() needs the scalar loss tensor of this micro-batch")
@@ -107,13 +107,17 @@ class Engine:
                 "engine.backward(), or sum the losses of one micro-batch first"
             )
         gas = self.policy.batch.gradient_accumulation_steps
-        self._sync.begin_backward(sync=self.is_gradient_accumulation_boundary())
+        self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
         try:
             (loss / gas if gas > 1 else loss).backward(retain_graph=retain_graph)
-        finally:
-            self._sync.end_backward()
+        except BaseException:
+            self.strategy.abort_backward()
+            self.micro_steps -= self.micro_steps % gas  # the window starts over
+            raise
+        self.strategy.end_backward()
         self._window_losses.append(loss.detach())
         self._backward_pending_step = True
+        return loss
 
     def step(self) -> None:
         """Finish the micro-step; on the accumulation boundary clip, update and schedule."""
@@ -124,13 +128,13 @@ class Engine:
             )
         batch = self.policy.batch
         if self.is_gradient_accumulation_boundary():
-            grads = [unit.optimizer_grad() for unit in self.units]
             # Kept as a tensor: converting it here would force a device sync every step.
-            self._grad_norm = clip_grads_(grads, self.policy.clip_norm)
-            if self.optimizer is not None:
-                self.optimizer.step()
-            for unit in self.units:
-                unit.after_step()
+            self._grad_norm = clip_grads_(
+                self.strategy.reduced_grads(),
+                self.policy.clip_norm,
+                self.strategy.partial_norm_reducer(),
+            )
+            self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
@@ -141,21 +145,35 @@ class Engine:
         self._window_samples += batch.micro_batch_size * batch.dp_world_size
         self._backward_pending_step = False
 
-    def zero_grad(self) -> None:
-        """Zero accumulated gradients (the engine already does this after each step)."""
-        for unit in self.units:
-            unit.buffer.zero_grads()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the accumulated gradients (the engine already does this after every step).
 
-    # -- modes and queries ------------------------------------------------------------------
+        Gradients live in the engine's flat buffers, so they are zeroed in place whatever
+        ``set_to_none`` says (it is accepted for ``nn.Module`` compatibility).
+        """
+        self.strategy.zero_grads()
 
-    def train(self, mode: bool = True) -> Engine:
-        """Put the model in training mode (like ``nn.Module.train``)."""
-        self.module.train(mode)
-        return self
+    # -- queries --------------------------------------------------------------------------------
 
-    def eval(self) -> Engine:
-        """Put the model in evaluation mode."""
-        return self.train(False)
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the data-parallel group."""
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of data-parallel ranks."""
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self.env.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on."""
+        return self.env.device
 
     def get_lr(self) -> list[float]:
         """Learning rate of each optimizer param group."""
@@ -183,11 +201,6 @@ class Engine:
         """The ZeRO stage in use."""
         return self.policy.stage
 
-    @property
-    def device(self) -> torch.device:
-        """The device this rank computes on."""
-        return self.env.device
-
     def comm_stats(self) -> CommSnapshot:
         """Collectives issued since start-up (or the last reset), by op and purpose."""
         return self.comm.snapshot()
@@ -198,17 +211,17 @@ class Engine:
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes this rank holds for model states, by category."""
-        in_units = {id(p) for unit in self.units for p in unit.buffer.params}
-        loose = [p for p in self.module.parameters() if id(p) not in in_units]
+        managed = self.strategy.managed()
+        loose = [p for p in self.module.parameters() if id(p) not in managed]
         return MemoryBreakdown(
-            params=sum(unit.buffer.nbytes for unit in self.units) + tensor_bytes(loose),
-            grads=sum(unit.buffer.grad_nbytes for unit in self.units),
+            params=self.strategy.param_bytes() + tensor_bytes(loose),
+            grads=self.strategy.grad_bytes(),
             master_weights=0,
             optimizer_states=optimizer_state_bytes(self.optimizer),
             buffers=buffer_bytes(self.module),
         )
 
-    # -- not yet available --------------------------------------------------------------------
+    # -- not yet available ----------------------------------------------------------------------
 
     def save_checkpoint(
         self, save_dir: str, tag: str | None = None, client_state: Any = None
@@ -221,16 +234,16 @@ class Engine:
         raise NotImplementedError("zerotrain checkpoints are not implemented yet")
 
     def destroy(self) -> None:
-        """Remove the engine's autograd hooks from the model."""
-        self._sync.remove()
+        """Detach the engine from the model: hooks removed, parameters in their own storage
+        again (the model can then be trained without zerotrain, or wrapped anew)."""
+        self.strategy.remove()
 
-    # -- logging ------------------------------------------------------------------------------
+    # -- logging --------------------------------------------------------------------------------
 
     def _report(self) -> None:
         # Average the window's loss over ranks: one tiny collective every steps_per_print.
-        local = (
-            torch.stack(self._window_losses).float().mean().item() if self._window_losses else 0.0
-        )
+        losses = self._window_losses
+        local = torch.stack(losses).float().mean().item() if losses else 0.0
         mean_loss = self.comm.all_reduce_floats([local])[0] / self.comm.world_size
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
         lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())

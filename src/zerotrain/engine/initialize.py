@@ -22,17 +22,15 @@ from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import init_distributed
 from zerotrain.config.features import inert_keys, not_implemented
 from zerotrain.config.loader import load_config
-from zerotrain.config.policies import OptimizerSpec, to_policies
+from zerotrain.config.policies import to_policies
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import Engine
-from zerotrain.engine.param_groups import ParamGroups, resolve_param_groups
-from zerotrain.optim.factory import FlatGroup, build_optimizer, build_scheduler
-from zerotrain.shard.unit import ShardedUnit
+from zerotrain.engine.optimizers import make_optimizer, make_scheduler
+from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.utils.logging import get_logger
-from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.policy import ZeroPolicy
-from zerotrain.zero.units import build_units
+from zerotrain.zero.strategy import ZeroStrategy
 
 log = get_logger(__name__)
 
@@ -74,73 +72,15 @@ def _check_same_model(comm: Communicator, model: nn.Module) -> None:
         )
 
 
-def _flat_groups(units: list[ShardedUnit], groups: ParamGroups) -> list[FlatGroup]:
-    flat: list[FlatGroup] = []
-    for g, options in enumerate(groups.options):
-        members = [u for u in units if u.group_index == g]
-        if not members:
-            log.info("optimizer group %d has no trainable parameters; skipped", g)
-            continue
-        segments = [
-            tuple((spec.start, spec.end) for spec in u.buffer.layout.params) for u in members
-        ]
-        flat.append(FlatGroup([u.optimizer_param() for u in members], segments, dict(options)))
-    return flat
-
-
-def _build_optimizer(
-    optimizer: Any,
-    spec: OptimizerSpec | None,
-    units: list[ShardedUnit],
-    groups: ParamGroups,
-    model_parameters: Any,
-) -> torch.optim.Optimizer | None:
-    if optimizer is not None and spec is not None:
-        raise ValueError(
-            "an optimizer was passed to initialize and the config has an 'optimizer' section; "
-            "use one of them"
-        )
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer  # stage 0: it steps the model's own parameters (views into units)
-    if callable(optimizer):
-        params = (
-            model_parameters
-            if model_parameters is not None
-            else [t.param for t in groups.trainable]
-        )
-        built = optimizer(params)
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"the optimizer callable returned {type(built).__name__}, "
-                "not a torch.optim.Optimizer"
+def _check_not_wrapped(model: nn.Module) -> None:
+    """A parameter that is a view of a larger tensor is already inside an engine's buffer."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.untyped_storage().nbytes() > param.nbytes:
+            raise ValueError(
+                f"parameter '{name}' shares its storage with a larger tensor: the model is "
+                "already wrapped by a zerotrain engine (call engine.destroy() first), or the "
+                "parameter is a view of another tensor, which zerotrain cannot repack"
             )
-        return built
-    if optimizer is not None:
-        raise TypeError("optimizer must be a torch.optim.Optimizer, a callable(params) or None")
-    if spec is None:
-        log.warning(
-            "no optimizer (none passed, none in the config): step() only averages "
-            "gradients and never updates parameters"
-        )
-        return None
-    return build_optimizer(spec, _flat_groups(units, groups))
-
-
-def _build_scheduler(lr_scheduler: Any, cfg_spec: Any, optimizer: Any) -> Any:
-    if lr_scheduler is not None and cfg_spec is not None:
-        raise ValueError(
-            "an lr_scheduler was passed to initialize and the config has a 'scheduler' "
-            "section; use one of them"
-        )
-    if lr_scheduler is None and cfg_spec is None:
-        return None
-    if optimizer is None:
-        raise ValueError("a learning-rate schedule needs an optimizer")
-    if cfg_spec is not None:
-        return build_scheduler(cfg_spec, optimizer)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        return lr_scheduler(optimizer)
-    return lr_scheduler
 
 
 def initialize(
@@ -192,31 +132,38 @@ def initialize(
     _refuse_unimplemented(cfg)
 
     env = init_distributed()
-    comm = Communicator(timeout=env.timeout)
+    comm = Communicator(timeout=env.timeout, device=env.device)
     policies = to_policies(cfg, comm.world_size)
     for note in (*cfg.auto_notes, *inert_keys(cfg)):
         log.info("config: %s", note)
 
     model.to(env.device)
+    _check_not_wrapped(model)
     _check_same_model(comm, model)
     with torch.no_grad():
         state = [p.data for p in model.parameters()] + list(model.buffers())
         broadcast_tensors(comm, state, _INIT_BUCKET_NUMEL, src=0)
 
-    if optimizer is not None and not callable(optimizer) and model_parameters is not None:
-        log.warning(
-            "model_parameters is ignored: the optimizer passed to initialize "
-            "already defines its parameter groups"
-        )
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # a generator must be read only once
+        if optimizer is not None and not callable(optimizer):
+            log.warning(
+                "model_parameters is ignored: the optimizer passed to initialize "
+                "already defines its parameter groups"
+            )
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     groups = resolve_param_groups(model, model_parameters, user_optimizer)
     zero = ZeroPolicy.for_stage(policies.training.stage)
-    units = build_units(
-        groups.trainable, policies.grad_reduce.bucket_numel, comm, zero, policies.grad_reduce
+    strategy = ZeroStrategy(
+        groups.trainable,
+        len(list(model.parameters())),
+        policies.grad_reduce.bucket_numel,
+        comm,
+        zero,
+        policies.grad_reduce,
     )
-    sync = GradientSynchronizer(units, overlap=policies.grad_reduce.overlap)
-    opt = _build_optimizer(optimizer, policies.optimizer, units, groups, model_parameters)
-    scheduler = _build_scheduler(lr_scheduler, policies.scheduler, opt)
+    opt = make_optimizer(optimizer, policies.optimizer, strategy, groups, model_parameters)
+    scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)
 
     loader = None
     if training_data is not None:
@@ -229,18 +176,18 @@ def initialize(
             drop_last=policies.training.drop_last,
             pin_memory=env.device.type == "cuda",
         )
-    engine = Engine(model, env, comm, policies.training, units, sync, opt, scheduler)
+    engine = Engine(model, env, comm, policies.training, strategy, opt, scheduler)
     batch = policies.training.batch
     log.info(
         "initialized: ZeRO stage %d, %d rank(s), %d parameters in %d unit(s), batch %d = %d "
         "micro x %d accumulation x %d ranks",
         zero.stage,
         comm.world_size,
-        sum(u.numel for u in units),
-        len(units),
+        sum(u.numel for u in strategy.units),
+        len(strategy.units),
         batch.train_batch_size,
         batch.micro_batch_size,
         batch.gradient_accumulation_steps,
         batch.dp_world_size,
     )
-    return engine, opt, loader, scheduler
+    return engine, opt.optimizer, loader, scheduler

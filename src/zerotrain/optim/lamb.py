@@ -1,15 +1,24 @@
-"""LAMB (You et al., 2019) on flat tensors that pack many parameters.
+"""LAMB on flat tensors that pack many parameters, with DeepSpeed's ``Lamb`` semantics.
 
-LAMB scales each parameter's Adam-style update by a trust ratio ``||w|| / ||update||``
-computed per *original* parameter, so the optimizer needs to know where each parameter sits
-inside a flat tensor: every param group carries ``segments``, one tuple of ``(start, end)``
-spans per flat tensor. When a parameter is split across ranks (ZeRO stages >= 1), each rank
-holds part of it; ``norm_reducer`` then sums the partial squared norms across ranks. The
-optimizer itself knows nothing of ranks.
+For each original parameter w with moments m, v (not bias-corrected)::
+
+    update = m / (sqrt(v) + eps) + weight_decay * w          (sqrt(v + eps) if eps_inside_sqrt)
+    trust  = clamp(||w|| / ||update||, min_coeff, max_coeff)  (1 if either norm is 0)
+    w     -= lr * sqrt(1 - beta2^t) / (1 - beta1^t) * trust * update
+
+which is what DeepSpeed's fused kernel computes, so a learning rate tuned there carries over.
+
+Norms are per *original* parameter, so every param group carries ``segments``: for each flat
+tensor, the ``(start, end, id)`` spans of the parameters (or parameter fragments) inside it,
+where ``id`` names the parameter and ``num_ids`` bounds the ids. When parameters are split
+across ranks (ZeRO stages >= 1), each rank holds fragments; ``norm_reducer`` sums the
+partial squared norms of a whole group across ranks in one collective. The optimizer itself
+knows nothing of ranks.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,41 +27,43 @@ import torch
 from zerotrain.optim.base import FlatOptimizer
 
 NormReducer = Callable[[torch.Tensor], None]
+Segment = tuple[int, int, int]  # (start, end, parameter id) inside one flat tensor
 
 
-def _pieces(segments: Sequence[tuple[int, int]], numel: int) -> tuple[list[int], list[bool]]:
-    """Lengths covering ``[0, numel)`` in order, and whether each piece is a real segment."""
+def _pieces(segments: Sequence[Segment], numel: int) -> tuple[list[int], list[int]]:
+    """Lengths covering ``[0, numel)`` in order, and the parameter id of each (-1: padding)."""
     lengths: list[int] = []
-    real: list[bool] = []
+    ids: list[int] = []
     position = 0
-    for start, end in sorted(segments):
+    for start, end, pid in sorted(segments):
         if start > position:
             lengths.append(start - position)
-            real.append(False)
+            ids.append(-1)
         lengths.append(end - start)
-        real.append(True)
+        ids.append(pid)
         position = end
     if position < numel:
         lengths.append(numel - position)
-        real.append(False)
-    return lengths, real
+        ids.append(-1)
+    return lengths, ids
 
 
 class Lamb(FlatOptimizer):
     """LAMB with DeepSpeed's options.
 
     Args:
-        params: param-group dicts with ``params`` (flat tensors) and ``segments``.
+        params: param-group dicts with ``params`` (flat tensors), ``segments`` (one list of
+            ``(start, end, id)`` per tensor) and ``num_ids`` (ids are ``0 .. num_ids - 1``).
         lr: learning rate.
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator (inside the square root if ``eps_inside_sqrt``).
-        weight_decay: decoupled weight decay, added to the update before the trust ratio.
-        bias_correction: divide the moments by ``1 - beta**t``.
+        weight_decay: added to the update (times the weight) before the trust ratio.
+        bias_correction: scale the step by ``sqrt(1 - beta2^t) / (1 - beta1^t)``.
         max_coeff: upper clamp of the trust ratio.
         min_coeff: lower clamp of the trust ratio.
         eps_inside_sqrt: use ``sqrt(v + eps)`` instead of ``sqrt(v) + eps``.
-        norm_reducer: sums a tensor of partial squared norms across ranks in place (sharded
-            parameters); None when every parameter is whole on this rank.
+        norm_reducer: sums a ``(2, num_ids)`` tensor of partial squared norms across ranks in
+            place; None when every parameter is whole on this rank.
     """
 
     def __init__(
@@ -82,10 +93,10 @@ class Lamb(FlatOptimizer):
         super().__init__(params, defaults)
         for i, group in enumerate(self.param_groups):
             segments = group.get("segments")
-            if segments is None or len(segments) != len(group["params"]):
+            if segments is None or len(segments) != len(group["params"]) or "num_ids" not in group:
                 raise ValueError(
-                    f"Lamb param group {i} needs 'segments': one list of (start, end) spans per "
-                    "flat tensor, so trust ratios are computed per original parameter"
+                    f"Lamb param group {i} needs 'segments' (one list of (start, end, id) per "
+                    "flat tensor) and 'num_ids', so trust ratios are computed per parameter"
                 )
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -96,49 +107,50 @@ class Lamb(FlatOptimizer):
         }
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        spans = {id(p): s for p, s in zip(group["params"], group["segments"], strict=True)}
-        for param in params:
-            self._step_tensor(param, param.grad, spans[id(param)], group)  # type: ignore[arg-type]
-
-    def _step_tensor(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        segments: Sequence[tuple[int, int]],
-        group: dict[str, Any],
-    ) -> None:
-        state = self.state[param]
-        state["step"] += 1
         beta1, beta2 = group["betas"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.lerp_(grad, 1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bc1 = 1 - beta1 ** state["step"] if group["bias_correction"] else 1.0
-        bc2 = 1 - beta2 ** state["step"] if group["bias_correction"] else 1.0
-        if group["eps_inside_sqrt"]:
-            denom = (v / bc2).add_(group["eps"]).sqrt_()
-        else:
-            denom = (v / bc2).sqrt_().add_(group["eps"])
-        update = (m / bc1).div_(denom)
-        del denom
-        if group["weight_decay"] != 0:
-            update.add_(param, alpha=group["weight_decay"])
-
-        lengths, real = _pieces(segments, param.numel())
-        p_pieces = [t for t, r in zip(param.view(-1).split(lengths), real, strict=True) if r]
-        u_pieces = [t for t, r in zip(update.view(-1).split(lengths), real, strict=True) if r]
-        squares = torch.stack(
-            [torch.stack(torch._foreach_norm(p_pieces)), torch.stack(torch._foreach_norm(u_pieces))]
-        ).square_()
+        spans = {id(p): s for p, s in zip(group["params"], group["segments"], strict=True)}
+        device = params[0].device
+        # Pass 1: moments, updates and partial squared norms per parameter id.
+        squares = torch.zeros(2, group["num_ids"], dtype=torch.float32, device=device)
+        work = []
+        for param in params:
+            state = self.state[param]
+            state["step"] += 1
+            grad = param.grad
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            if group["eps_inside_sqrt"]:
+                denom = v.add(group["eps"]).sqrt_()
+            else:
+                denom = v.sqrt().add_(group["eps"])
+            update = m.div(denom)
+            del denom
+            if group["weight_decay"] != 0:
+                update.add_(param, alpha=group["weight_decay"])
+            lengths, ids = _pieces(spans[id(param)], param.numel())
+            real = [i for i, pid in enumerate(ids) if pid >= 0]
+            index = torch.tensor([ids[i] for i in real], dtype=torch.long, device=device)
+            for row, tensor in enumerate((param, update)):
+                pieces = tensor.view(-1).split(lengths)
+                norms = torch._foreach_norm([pieces[i] for i in real])
+                squares[row].index_add_(0, index, torch.stack(norms).float().square())
+            work.append((param, update, lengths, ids, state["step"]))
         if self._norm_reducer is not None:
             self._norm_reducer(squares)
-        w_norm, u_norm = squares.sqrt_().unbind(0)
-        trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-        trust.clamp_(group["min_coeff"], group["max_coeff"])
-        # Padding between/after segments gets coefficient 0: it is never updated.
-        per_piece = torch.zeros(len(lengths), dtype=trust.dtype, device=trust.device)
-        per_piece[torch.tensor(real, device=trust.device)] = trust
-        coeff = torch.repeat_interleave(
-            per_piece, torch.tensor(lengths, device=trust.device), output_size=param.numel()
-        )
-        param.view(-1).addcmul_(coeff, update.view(-1), value=-group["lr"])
+        w_norm, u_norm = squares.sqrt().unbind(0)
+        ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
+        trust = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+        # Pass 2: apply. Padding gets coefficient 0 and is never updated.
+        for param, update, lengths, ids, step in work:
+            step_size = group["lr"]
+            if group["bias_correction"]:
+                step_size *= math.sqrt(1 - beta2**step) / (1 - beta1**step)
+            padded = torch.cat([trust, torch.zeros(1, dtype=trust.dtype, device=device)])
+            per_piece = padded[torch.tensor(ids, dtype=torch.long, device=device)]
+            coeff = torch.repeat_interleave(
+                per_piece.to(param.dtype),
+                torch.tensor(lengths, device=device),
+                output_size=param.numel(),
+            )
+            param.view(-1).addcmul_(coeff, update.view(-1), value=-step_size)

@@ -1,20 +1,31 @@
-"""A unit: parameters gathered, reduced and stepped together, over one flat buffer.
+"""A unit: parameters reduced, stepped and gathered together, over one flat buffer.
 
-The unit owns the mechanics (which collective, which slice, scaling); *when* its methods run is
-decided by ``zero/grad_sync.py`` and the engine. Gradient states move through a checked cycle
-ACCUMULATING -> REDUCING -> REDUCED -> ACCUMULATING, so an ordering bug raises immediately
-instead of silently stepping on half-reduced gradients.
+The same class serves every ZeRO stage; the ``ZeroPolicy`` decides what is partitioned:
+stage 0 keeps everything whole, stage 1 steps only this rank's slice (gradients
+reduce-scattered into it), stage 2 additionally keeps only that slice of the gradient. After
+an optimizer step, stages 1-2 all-gather the updated slices so every rank again holds the
+whole parameters.
+
+The unit owns the mechanics (which collective, which slice); *when* its methods run is
+decided by ``zero/grad_sync.py`` and ``zero/strategy.py``. Gradient states move through a
+checked cycle, so an ordering bug raises at once instead of stepping half-reduced gradients.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
+from zerotrain.shard.grads import FullGradients, ShardedGradients, StagingProvider
+from zerotrain.shard.layout import FlatLayout
+from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
 from zerotrain.zero.policy import ZeroPolicy
 
@@ -22,87 +33,181 @@ from zerotrain.zero.policy import ZeroPolicy
 class GradState(enum.Enum):
     """Where a unit's gradient is in the step."""
 
-    ACCUMULATING = "accumulating"  # autograd adds micro-step gradients into the buffer
-    REDUCING = "reducing"  # a collective on the buffer is in flight
-    REDUCED = "reduced"  # the buffer holds the average over ranks; ready for the optimizer
+    ACCUMULATING = "accumulating"  # autograd adds micro-step gradients in
+    REDUCING = "reducing"  # a reduction is in flight
+    REDUCED = "reduced"  # averaged over ranks for the whole window; ready for the optimizer
+
+
+@dataclass(frozen=True)
+class OptimizerPiece:
+    """The part of one optimizer group's parameters in a unit that this rank updates.
+
+    ``param`` and ``grad`` are views of the unit's buffers (``param.grad is grad``);
+    ``segments`` lists ``(start, end, param_id)`` of every parameter fragment inside.
+    """
+
+    group: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+    start: int  # offset of ``param`` in the unit's flat buffer
 
 
 class ShardedUnit:
-    """One flat buffer of parameters and its gradient, plus how it is reduced.
+    """One flat buffer of parameters, its gradient, and how both are communicated.
 
     Args:
-        index: position of the unit in the model (stable across ranks).
-        buffer: the packed parameters.
-        group_index: optimizer parameter group of every parameter here (None: not optimized).
+        index: position of the unit in reduction order (identical on every rank).
+        layout: packing of the parameters (``world_size`` > 1 when states are partitioned).
+        params: the parameters, in ``layout`` order.
+        groups: optimizer group of each parameter (None: averaged but never updated).
+        param_ids: a model-wide id of each parameter (for per-parameter norms and masks).
         comm: collectives over the data-parallel group.
-        zero: which states are partitioned.
+        zero: what is partitioned.
         reduce: how gradients are averaged.
+        staging: the staging pool (stage 2 only).
     """
 
     def __init__(
         self,
         index: int,
-        buffer: FlatParamBuffer,
-        group_index: int | None,
+        layout: FlatLayout,
+        params: Sequence[nn.Parameter],
+        groups: Sequence[int | None],
+        param_ids: Sequence[int],
         comm: Communicator,
         zero: ZeroPolicy,
         reduce: GradReducePolicy,
+        staging: StagingPool | None = None,
     ) -> None:
+        sharded = zero.shard_optimizer
         invariant(
-            not zero.shard_optimizer and buffer.layout.world_size == 1,
-            "this unit implements ZeRO stage 0 (replicated states) only",
+            layout.world_size == (comm.world_size if sharded else 1),
+            "layout world size does not match the policy",
         )
+        invariant(not zero.shard_parameters, "stage 3 units are not implemented")
         self.index = index
-        self.buffer = buffer
-        self.group_index = group_index
         self.comm = comm
         self.zero = zero
-        self.reduce = reduce
+        self.reduce_policy = reduce
+        self.buffer = FlatParamBuffer(layout, params)
+        self.groups = tuple(groups)
+        self.param_ids = tuple(param_ids)
+        self.pool = staging
+        self.owned = layout.shard_range(comm.rank) if sharded else (0, layout.padded_numel)
+        self.grads: FullGradients | ShardedGradients
+        if zero.shard_gradients:
+            invariant(staging is not None, "stage 2 needs a staging pool")
+            self.grads = ShardedGradients(self.buffer, self.owned, staging)  # type: ignore[arg-type]
+        else:
+            self.grads = FullGradients(self.buffer, self.owned, sharded)
         self.state = GradState.ACCUMULATING
-        buffer.allocate_grads()
+        self.received: set[int] = set()  # parameters that got a gradient this window
+        self.pieces = self._make_pieces()
 
     def __repr__(self) -> str:
         names = ", ".join(s.fqn for s in self.buffer.layout.params[:3])
         more = "" if len(self.buffer.params) <= 3 else f", +{len(self.buffer.params) - 3}"
         return f"ShardedUnit({self.index}: {names}{more}; {self.state.value})"
 
+    # -- layout ---------------------------------------------------------------------------------
+
     @property
     def numel(self) -> int:
-        """Elements of real parameters in this unit."""
+        """Elements of real parameters in this unit (padding excluded)."""
         return self.buffer.layout.numel
 
-    def optimizer_param(self) -> torch.Tensor:
-        """The flat tensor the optimizer updates for this rank (all of it at stage 0)."""
-        return self.buffer.data
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """The gradient of this rank's owned range (padding included)."""
+        return self.grads.shard
 
-    def optimizer_grad(self) -> torch.Tensor:
-        """The flat gradient matching :meth:`optimizer_param`."""
-        invariant(self.buffer.grad is not None, "gradients not allocated")
-        return self.buffer.grad  # type: ignore[return-value]
+    def _make_pieces(self) -> tuple[OptimizerPiece, ...]:
+        lo, hi = self.owned
+        specs = self.buffer.layout.params
+        pieces = []
+        start = 0
+        while start < len(specs):  # parameters of one group are contiguous (group-major)
+            end = start
+            while end < len(specs) and self.groups[end] == self.groups[start]:
+                end += 1
+            group = self.groups[start]
+            a, b = max(lo, specs[start].start), min(hi, specs[end - 1].end)
+            if group is not None and a < b:
+                segments = tuple(
+                    (max(a, s.start) - a, min(b, s.end) - a, self.param_ids[k])
+                    for k, s in enumerate(specs[start:end], start=start)
+                    if max(a, s.start) < min(b, s.end)
+                )
+                param = self.buffer.data[a:b]
+                grad = self.grads.shard[a - lo : b - lo]
+                param.grad = grad
+                pieces.append(OptimizerPiece(group, param, grad, segments, a))
+            start = end
+        return tuple(pieces)
 
-    def launch_reduce(self, *, async_op: bool = True) -> Handle:
-        """Start averaging this unit's gradient over the data-parallel ranks."""
-        invariant(
-            self.state is GradState.ACCUMULATING,
-            f"{self!r}: reduce launched twice in one step",
-        )
-        grad = self.optimizer_grad()
-        if self.reduce.pre_divide != 1.0:
-            grad.div_(self.reduce.pre_divide)
+    def owned_slices(self, index: int) -> list[tuple[OptimizerPiece, slice]]:
+        """Where the owned part of ``params[index]`` sits inside this unit's pieces."""
+        spec = self.buffer.layout.params[index]
+        found = []
+        for piece in self.pieces:
+            a = max(spec.start, piece.start)
+            b = min(spec.end, piece.start + piece.param.numel())
+            if a < b:
+                found.append((piece, slice(a - piece.start, b - piece.start)))
+        return found
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def accept_grad(self, index: int, staging: StagingProvider) -> None:
+        """Autograd finished ``params[index]``'s gradient for this micro-step."""
+        self.grads.accept(index, staging)
+        self.received.add(index)
+
+    def launch_reduce(self, *, final: bool, staging: StagingProvider) -> Handle:
+        """Start reducing this micro-step's gradient; ``final`` on the window's last one."""
+        invariant(self.state is GradState.ACCUMULATING, f"{self!r}: reduce launched twice")
         self.state = GradState.REDUCING
 
         def on_done() -> None:
-            if self.reduce.post_divide != 1.0:
-                grad.div_(self.reduce.post_divide)
-            self.state = GradState.REDUCED
+            self.state = GradState.REDUCED if final else GradState.ACCUMULATING
 
-        return self.comm.all_reduce(grad, purpose="gradients", async_op=async_op, on_done=on_done)
+        if isinstance(self.grads, ShardedGradients):
+            return self.grads.reduce(self.comm, self.reduce_policy, on_done, staging)
+        return self.grads.reduce(self.comm, self.reduce_policy, on_done)
 
-    def after_step(self) -> None:
-        """Called once the optimizer consumed the gradient: start the next accumulation."""
+    # -- optimizer step -------------------------------------------------------------------------
+
+    def bind_grads(self) -> None:
+        """Point every ``param.grad`` at the unit's gradient (stage 0, for a user optimizer
+        that steps the model's own parameters)."""
+        invariant(isinstance(self.grads, FullGradients), "parameter gradients are not kept")
+        self.grads.bind()  # type: ignore[union-attr]
+
+    def check_reduced(self) -> None:
+        """Raise unless the gradient is ready for the optimizer."""
         invariant(
             self.state is GradState.REDUCED,
             f"{self!r}: optimizer step before its gradient was reduced",
         )
-        self.buffer.zero_grads()
+
+    def start_next_window(self) -> None:
+        """The optimizer consumed the gradient: zero it for the next window."""
+        self.check_reduced()
+        self.grads.zero()
+        self.received.clear()
+        self.state = GradState.ACCUMULATING
+
+    def gather(self) -> Handle | None:
+        """Stages 1-2: all-gather the updated slices so every rank holds whole parameters."""
+        if not self.zero.shard_optimizer:
+            return None
+        lo, hi = self.owned
+        data = self.buffer.data
+        return self.comm.all_gather_into(data, data[lo:hi], purpose="parameters", async_op=True)
+
+    def reset(self) -> None:
+        """Forget a failed backward pass: no reduction pending, gradients zeroed."""
+        self.grads.reset()
+        self.received.clear()
         self.state = GradState.ACCUMULATING

@@ -59,7 +59,7 @@ def _worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     env: dict[str, str],
-    timeout_s: float,
+    comm_timeout_s: float,
 ) -> None:
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log_fd, 1)
@@ -74,11 +74,12 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
         ZEROTRAIN_DEVICE="cpu",
+        ZEROTRAIN_COMM_TIMEOUT=str(comm_timeout_s),
     )
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=comm_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
@@ -119,6 +120,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
+    comm_timeout: float | None = None,
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
@@ -131,7 +133,10 @@ def run_distributed(
     Args:
         fn: the function each rank runs.
         world_size: number of processes.
-        timeout: seconds for the whole job; also the collective timeout inside it.
+        timeout: seconds for the whole job.
+        comm_timeout: seconds a collective may wait inside the job (the process group's
+            timeout and ``ZEROTRAIN_COMM_TIMEOUT``); default half of ``timeout``, so a
+            stuck collective fails with zerotrain's own error before the job is killed.
         env: extra environment variables for the ranks.
 
     Returns:
@@ -161,7 +166,7 @@ def run_distributed(
                 args,
                 kwargs,
                 env or {},
-                timeout,
+                comm_timeout if comm_timeout is not None else timeout / 2,
             ),
             daemon=True,
         )

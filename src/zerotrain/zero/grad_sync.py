@@ -1,12 +1,12 @@
 """When gradients are reduced: from autograd hooks, as soon as each unit is complete.
 
-On an accumulation-boundary backward pass, every parameter's post-accumulate-grad hook marks
-it ready; a unit's reduction is launched (asynchronously) once all of its parameters are ready
-*and* every earlier unit has been launched. Launching strictly in unit order keeps the
-sequence of collectives identical on every rank even if ranks finish units in different
-orders (for example, a parameter unused on one rank), so it can never mismatch collectives.
-On other micro-steps the hooks only keep ``param.grad`` bound to the flat buffer: no
-communication at all.
+On a backward pass that communicates (the accumulation boundary; every micro-step at stage 2,
+which keeps no full-size gradient between micro-steps), every parameter's
+post-accumulate-grad hook marks it ready; a unit's reduction is launched asynchronously once
+all of its parameters are ready *and* every earlier unit has been launched. Launching strictly
+in unit order keeps the sequence of collectives identical on every rank even if ranks finish
+units in different orders (a parameter unused on one rank), so collectives never mismatch.
+On the other micro-steps the hooks only keep gradients where the unit expects them.
 """
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm.collectives import Handle
+from zerotrain.shard.staging import StagingPool
 from zerotrain.shard.unit import ShardedUnit
-from zerotrain.utils.invariant import invariant
+from zerotrain.utils.invariant import InvariantError, invariant
+from zerotrain.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 
 class GradientSynchronizer:
@@ -26,61 +31,81 @@ class GradientSynchronizer:
 
     Args:
         units: in reduction order (as ``build_units`` returns them).
-        overlap: launch reductions from the hooks (True) or only after backward (False).
+        overlap: let reductions run while backward continues (True), or wait for each one
+            as it is launched (False: no overlap, but at most one unit's gradient staged).
+        every_micro_step: reduce on every micro-step, not only at the boundary (stage 2).
     """
 
-    def __init__(self, units: Sequence[ShardedUnit], overlap: bool) -> None:
+    def __init__(self, units: Sequence[ShardedUnit], overlap: bool, every_micro_step: bool) -> None:
         self.units = list(units)
         self.overlap = overlap
+        self.every_micro_step = every_micro_step
         self._remaining = [0] * len(self.units)
         self._ready: list[set[int]] = [set() for _ in self.units]
         self._next = 0
         self._handles: list[Handle] = []
         self._syncing = False
+        self._final = False
         self._hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
                 hook = functools.partial(self._on_grad, u, i)
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
-    def begin_backward(self, sync: bool) -> None:
-        """Arm the hooks for one backward pass; ``sync`` on accumulation boundaries."""
+    def begin_backward(self, boundary: bool) -> None:
+        """Arm the hooks for one backward pass (``boundary``: last micro-step of a window)."""
         invariant(not self._handles, "previous backward's reductions were never finished")
-        self._syncing = sync
+        self._final = boundary
+        self._syncing = boundary or self.every_micro_step
         self._next = 0
         for u, unit in enumerate(self.units):
             self._remaining[u] = len(unit.buffer.params)
             self._ready[u].clear()
 
-    def _on_grad(self, u: int, i: int, _param: object) -> None:
+    def _on_grad(self, u: int, i: int, _param: torch.Tensor) -> None:
         unit = self.units[u]
-        unit.buffer.adopt_grad(i)
-        if not self._syncing:
-            return
-        if u < self._next:
+        if self._syncing and u < self._next:
             name = unit.buffer.layout.params[i].fqn
             raise RuntimeError(
                 f"gradient of '{name}' arrived after its bucket was already reduced in this "
                 "backward pass; call engine.backward() once per micro-step (sum several losses "
-                "first) and do not run a second backward on the boundary step"
+                "first) and do not run a second backward on the same micro-step"
             )
-        if i not in self._ready[u]:
-            self._ready[u].add(i)
-            self._remaining[u] -= 1
-        if self.overlap:
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
+        unit.accept_grad(i, functools.partial(self._acquire_staging, unit.pool))
+        if not self._syncing or i in self._ready[u]:
+            return
+        self._ready[u].add(i)
+        self._remaining[u] -= 1
         while self._next < len(self.units) and self._remaining[self._next] == 0:
             self._launch_next()
 
+    def _acquire_staging(self, pool: StagingPool | None) -> torch.Tensor:
+        if pool is None:
+            raise InvariantError("a unit without a staging pool asked for staging")
+        while True:
+            buffer = pool.acquire()
+            if buffer is not None:
+                return buffer
+            pending = [h for h in self._handles if not h.finished]
+            if not pending:
+                # Every buffer is held by a unit still filling: waiting would never end.
+                log.warning("gradient staging pool grown to %d buffers", pool.count + 1)
+                return pool.grow()
+            pending[0].wait()  # its completion returns a buffer to the pool
+
     def _launch_next(self) -> None:
-        self._handles.append(self.units[self._next].launch_reduce(async_op=True))
+        unit = self.units[self._next]
+        staging = functools.partial(self._acquire_staging, unit.pool)
+        handle = unit.launch_reduce(final=self._final, staging=staging)
         self._next += 1
+        if self.overlap:
+            self._handles.append(handle)
+        else:
+            handle.wait()
 
     def end_backward(self) -> None:
-        """After autograd finished: launch what is left (unused parameters contribute zeros)
-        and wait for every reduction. No-op on non-boundary micro-steps."""
+        """After autograd finished: launch what is left (parameters without a gradient
+        contribute zeros) and wait for every reduction."""
         if not self._syncing:
             return
         while self._next < len(self.units):
@@ -90,10 +115,18 @@ class GradientSynchronizer:
             handle.wait()
         self._syncing = False
 
-    @property
-    def launched_count(self) -> int:
-        """Units whose reduction was launched in the current backward pass."""
-        return self._next
+    def abort(self) -> None:
+        """Recover from an exception raised during backward: finish the reductions already
+        launched (every rank launched the same ones if they all failed alike), then reset
+        every unit, discarding the gradients of the current accumulation window."""
+        handles, self._handles = self._handles, []
+        try:
+            for handle in handles:
+                handle.wait()
+        finally:
+            self._syncing = False
+            for unit in self.units:
+                unit.reset()
 
     def remove(self) -> None:
         """Detach every hook (the model is left with plain parameters and gradients)."""

@@ -1,9 +1,10 @@
 """Splitting a model's trainable parameters into units (stages 0-2: buckets of the model).
 
 Gradients become ready roughly in reverse order of parameter registration (the last layer's
-first), so parameters are packed in that order: the first bucket fills early in backward and
-its communication overlaps the rest. Each unit holds parameters of one optimizer group and
-one dtype, so the optimizer can update its flat buffer with the group's settings.
+first), so parameters are bucketed in that order: the first unit fills early in backward and
+its communication overlaps the rest, and units complete one after another. Inside a unit the
+parameters are laid out group by group, so each optimizer group is one contiguous range and
+the optimizer steps it as one tensor.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from zerotrain.comm.buckets import plan_buckets
 from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import GradReducePolicy
-from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.layout import FlatLayout
+from zerotrain.shard.staging import StagingPool
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.zero.policy import ZeroPolicy
 
@@ -26,9 +28,9 @@ from zerotrain.zero.policy import ZeroPolicy
 class TrainableParam:
     """A parameter that receives gradients.
 
-    ``position`` is its index in ``model.named_parameters()``; ``group_index`` its optimizer
-    param group (None when the optimizer does not update it: its gradient is still averaged,
-    as plain DDP would).
+    ``position`` is its index in ``model.named_parameters()`` (also its id in per-parameter
+    bookkeeping); ``group_index`` its optimizer param group (None when the optimizer does not
+    update it: its gradient is still averaged, as plain DDP would).
     """
 
     fqn: str
@@ -37,32 +39,72 @@ class TrainableParam:
     position: int
 
 
+def _group_major(bucket: list[TrainableParam]) -> list[TrainableParam]:
+    # Parameters outside every group go last, where no optimizer piece covers them.
+    return sorted(bucket, key=lambda e: (e.group_index is None, e.group_index or 0, -e.position))
+
+
+# Automatic bucket size: an eighth of the model, so reductions overlap backward, within
+# [1M, 25M] elements: smaller buckets cost more calls than they save, larger ones delay the
+# first reduction (25M fp32 elements = 100 MB; DDP's default bucket is 25 MB).
+AUTO_BUCKET_MIN = 1_000_000
+AUTO_BUCKET_MAX = 25_000_000
+
+
+def auto_bucket_numel(total_numel: int) -> int:
+    """The bucket size used when ``reduce_bucket_size`` is not set."""
+    return min(AUTO_BUCKET_MAX, max(AUTO_BUCKET_MIN, total_numel // 8))
+
+
 def build_units(
     trainable: Sequence[TrainableParam],
-    bucket_numel: int,
+    bucket_numel: int | None,
     comm: Communicator,
     zero: ZeroPolicy,
     reduce: GradReducePolicy,
-) -> list[ShardedUnit]:
-    """Pack ``trainable`` into units, returned in the order their gradients are reduced."""
-    by_kind: dict[tuple[int, str, str], list[TrainableParam]] = {}
+) -> tuple[list[ShardedUnit], list[StagingPool]]:
+    """Pack ``trainable`` into units, returned in the order their gradients are reduced,
+    with the staging pools they share (stage 2; one per dtype)."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[TrainableParam]] = {}
     for entry in trainable:
-        group = -1 if entry.group_index is None else entry.group_index
-        key = (group, str(entry.param.dtype), str(entry.param.device))
-        by_kind.setdefault(key, []).append(entry)
+        by_dtype.setdefault((entry.param.dtype, entry.param.device), []).append(entry)
 
+    if bucket_numel is None:
+        bucket_numel = auto_bucket_numel(sum(e.param.numel() for e in trainable))
+    # Stage 2 stages gradients in two buffers (one reduction in flight while the next unit
+    # fills); half-size units keep that staging memory within one reduce_bucket_size.
+    unit_numel = bucket_numel // 2 if zero.shard_gradients and reduce.overlap else bucket_numel
     buckets: list[list[TrainableParam]] = []
-    for entries in by_kind.values():
+    for entries in by_dtype.values():
         entries = sorted(entries, key=lambda e: -e.position)
-        for members in plan_buckets([e.param.numel() for e in entries], bucket_numel):
-            buckets.append([entries[i] for i in members])
+        for members in plan_buckets([e.param.numel() for e in entries], unit_numel):
+            buckets.append(_group_major([entries[i] for i in members]))
     # A bucket is complete when its earliest-registered parameter gets its gradient (the last
     # one backward reaches); reduce buckets in that order so none waits behind a later one.
     buckets.sort(key=lambda b: -min(e.position for e in b))
 
-    units: list[ShardedUnit] = []
-    for index, bucket in enumerate(buckets):
-        layout = FlatLayout.pack([(e.fqn, tuple(e.param.shape)) for e in bucket], world_size=1)
-        buffer = FlatParamBuffer(layout, [e.param for e in bucket])
-        units.append(ShardedUnit(index, buffer, bucket[0].group_index, comm, zero, reduce))
-    return units
+    world = comm.world_size if zero.shard_optimizer else 1
+    layouts = [FlatLayout.pack([(e.fqn, tuple(e.param.shape)) for e in b], world) for b in buckets]
+    # One staging pool per dtype/device, sized for its largest unit.
+    pools: dict[tuple[torch.dtype, torch.device], StagingPool] = {}
+    if zero.shard_gradients:
+        for bucket, layout in zip(buckets, layouts, strict=True):
+            p = bucket[0].param
+            key = (p.dtype, p.device)
+            size = max(layout.padded_numel, pools[key].numel if key in pools else 0)
+            pools[key] = StagingPool(size, p.dtype, p.device, count=2 if reduce.overlap else 1)
+    units = [
+        ShardedUnit(
+            index,
+            layout,
+            [e.param for e in bucket],
+            [e.group_index for e in bucket],
+            [e.position for e in bucket],
+            comm,
+            zero,
+            reduce,
+            pools.get((bucket[0].param.dtype, bucket[0].param.device)),
+        )
+        for index, (bucket, layout) in enumerate(zip(buckets, layouts, strict=True))
+    ]
+    return units, list(pools.values())

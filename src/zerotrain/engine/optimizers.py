@@ -1,0 +1,150 @@
+"""Choosing what the engine steps: the config's optimizer, the user's, or one built by a
+callable; and the learning-rate schedule driving it.
+
+With nothing partitioned (stage 0) a user optimizer keeps stepping the model's own
+parameters, whose gradients are views of the reduced flat gradients. When optimizer states
+are partitioned (stages >= 1), every optimizer runs over this rank's flat shards: the
+config's optimizer directly, a user optimizer by rebuilding its class over the shards (only
+for optimizers known to be elementwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerotrain.config.policies import OptimizerSpec, SchedulerSpec
+from zerotrain.engine.param_groups import ParamGroups
+from zerotrain.optim.base import FlatOptimizer
+from zerotrain.optim.factory import (
+    ELEMENTWISE_TORCH_OPTIMIZERS,
+    FlatGroup,
+    build_optimizer,
+    build_scheduler,
+    rebuild_over_flat,
+)
+from zerotrain.optim.lamb import Lamb
+from zerotrain.utils.logging import get_logger
+from zerotrain.zero.strategy import ZeroStrategy
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptimizer:
+    """The optimizer and whether it holds the model's own parameters (else flat shards)."""
+
+    optimizer: torch.optim.Optimizer | None
+    steps_model_params: bool
+
+
+def flat_groups(strategy: ZeroStrategy, groups: ParamGroups) -> list[FlatGroup]:
+    """One flat group per optimizer group that has parameters on this rank."""
+    flat = []
+    for g, options in enumerate(groups.options):
+        pieces = strategy.pieces(g)
+        if pieces:
+            flat.append(
+                FlatGroup(
+                    [p.param for p in pieces],
+                    [p.segments for p in pieces],
+                    dict(options),
+                    num_ids=strategy.num_params,
+                )
+            )
+    return flat
+
+
+def _check_built(built: Any) -> torch.optim.Optimizer:
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(
+            f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer"
+        )
+    return built
+
+
+def make_optimizer(
+    optimizer: Any,
+    spec: OptimizerSpec | None,
+    strategy: ZeroStrategy,
+    groups: ParamGroups,
+    model_parameters: list[Any] | None,
+) -> EngineOptimizer:
+    """Build the engine's optimizer from what ``initialize`` received."""
+    if optimizer is not None and spec is not None:
+        raise ValueError(
+            "an optimizer was passed to initialize and the config has an 'optimizer' section; "
+            "use one of them"
+        )
+    sharded = strategy.zero.shard_optimizer
+    if spec is not None:
+        flat = flat_groups(strategy, groups)
+        return EngineOptimizer(
+            build_optimizer(spec, flat, strategy.partial_norm_reducer()), steps_model_params=False
+        )
+    if optimizer is None:
+        log.warning(
+            "no optimizer (none passed, none in the config): step() only averages "
+            "gradients and never updates parameters"
+        )
+        return EngineOptimizer(None, steps_model_params=False)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if not sharded:
+            return EngineOptimizer(optimizer, steps_model_params=True)
+        log.warning(
+            "%s is rebuilt over this rank's shards (ZeRO stage %d partitions optimizer "
+            "states); step the optimizer returned by initialize, not the one passed in",
+            type(optimizer).__name__,
+            strategy.zero.stage,
+        )
+        return EngineOptimizer(rebuild_over_flat(optimizer, flat_groups(strategy, groups)), False)
+    if callable(optimizer):
+        if not sharded:
+            params = model_parameters or [t.param for t in groups.trainable]
+            return EngineOptimizer(_check_built(optimizer(params)), steps_model_params=True)
+        from_callable = _check_built(
+            optimizer([{"params": g.tensors, **g.options} for g in flat_groups(strategy, groups)])
+        )
+        _check_elementwise(from_callable)
+        return EngineOptimizer(from_callable, steps_model_params=False)
+    raise TypeError("optimizer must be a torch.optim.Optimizer, a callable(params) or None")
+
+
+def _check_elementwise(built: torch.optim.Optimizer) -> None:
+    if isinstance(built, Lamb) or not isinstance(
+        built, (FlatOptimizer, *ELEMENTWISE_TORCH_OPTIMIZERS)
+    ):
+        raise TypeError(
+            f"the optimizer callable built {type(built).__name__}, which zerotrain cannot run on "
+            "partitioned shards (its update may depend on whole parameters); use an elementwise "
+            "torch optimizer or the config's 'optimizer' section"
+        )
+
+
+def make_scheduler(
+    lr_scheduler: Any, spec: SchedulerSpec | None, optimizer: torch.optim.Optimizer | None
+) -> Any:
+    """Build the schedule from the config, or adopt the user's object or callable."""
+    if lr_scheduler is not None and spec is not None:
+        raise ValueError(
+            "an lr_scheduler was passed to initialize and the config has a 'scheduler' "
+            "section; use one of them"
+        )
+    if lr_scheduler is None and spec is None:
+        return None
+    if optimizer is None:
+        raise ValueError("a learning-rate schedule needs an optimizer")
+    if spec is not None:
+        return build_scheduler(spec, optimizer)
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(optimizer)
+    if getattr(lr_scheduler, "optimizer", None) is not optimizer:
+        raise ValueError(
+            "the lr_scheduler passed to initialize drives a different optimizer than the one "
+            "the engine steps (zerotrain builds its own over this rank's shards when optimizer "
+            "states are partitioned); pass the scheduler as a callable "
+            "(lambda optimizer: ...) so it is built for the optimizer in use"
+        )
+    return lr_scheduler

@@ -1,0 +1,179 @@
+"""Where a unit's gradients live, and how one reduction of them runs.
+
+* ``FullGradients`` (stages 0 and 1): a full-size gradient buffer; every ``param.grad`` is a
+  view into it, so autograd accumulates micro-steps in place with no copies. At the
+  accumulation boundary the buffer is all-reduced (stage 0) or reduce-scattered in place into
+  this rank's slice (stage 1).
+* ``ShardedGradients`` (stage 2): only this rank's slice is kept. On every micro-step the
+  gradients are copied into a staging buffer as autograd produces them (and ``param.grad``
+  is freed), reduce-scattered, and added into the slice.
+
+Both scale by ``1 / pre_divide`` before the reduction and ``1 / post_divide`` after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zerotrain.comm.collectives import Communicator, Handle
+from zerotrain.config.policies import GradReducePolicy
+from zerotrain.shard.flat_buffer import FlatParamBuffer
+from zerotrain.shard.staging import StagingPool
+from zerotrain.utils.invariant import invariant
+
+StagingProvider = Callable[[], torch.Tensor]
+
+
+class FullGradients:
+    """A full-size gradient buffer with ``param.grad`` views (stages 0-1).
+
+    Args:
+        buffer: the unit's parameters.
+        owned: ``[lo, hi)`` of the buffer this rank steps (the whole buffer at stage 0).
+        sharded: reduce-scatter into ``owned`` (stage 1) instead of all-reducing (stage 0).
+    """
+
+    def __init__(self, buffer: FlatParamBuffer, owned: tuple[int, int], sharded: bool) -> None:
+        self.buffer = buffer
+        self.sharded = sharded
+        self.flat = torch.zeros_like(buffer.data)
+        self.shard = self.flat[owned[0] : owned[1]]
+        self.bind()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of gradient storage."""
+        return self.flat.numel() * self.flat.element_size()
+
+    def bind(self) -> None:
+        """Point every ``param.grad`` at its view of the buffer."""
+        for i, param in enumerate(self.buffer.params):
+            param.grad = self.buffer.view(self.flat, i)
+
+    def accept(self, index: int, staging: StagingProvider) -> None:
+        """Autograd produced ``params[index]``'s gradient. It is normally already in the
+        buffer; if something replaced ``param.grad`` (``model.zero_grad()`` sets it to None,
+        after which autograd allocates a fresh tensor), fold that tensor in."""
+        param = self.buffer.params[index]
+        view = self.buffer.view(self.flat, index)
+        current = param.grad
+        if current is not None and current.data_ptr() == view.data_ptr():
+            return
+        if current is not None:
+            view.add_(current)
+        param.grad = view
+
+    def reduce(
+        self, comm: Communicator, policy: GradReducePolicy, on_done: Callable[[], None]
+    ) -> Handle:
+        """Start averaging the buffer across ranks; ``shard`` holds the result when done."""
+        if policy.pre_divide != 1.0:
+            self.flat.div_(policy.pre_divide)
+
+        def finish() -> None:
+            if policy.post_divide != 1.0:
+                self.shard.div_(policy.post_divide)
+            on_done()
+
+        if self.sharded:
+            # In place: this rank's slice of the input is the output.
+            return comm.reduce_scatter(
+                self.shard, self.flat, purpose="gradients", async_op=True, on_done=finish
+            )
+        return comm.all_reduce(self.flat, purpose="gradients", async_op=True, on_done=finish)
+
+    def zero(self) -> None:
+        """Start a new accumulation window."""
+        self.flat.zero_()
+        self.bind()
+
+    def reset(self) -> None:
+        """Drop whatever a failed backward pass left behind."""
+        self.zero()
+
+    def zero_values(self) -> None:
+        """Zero the gradient in place (``engine.zero_grad()``)."""
+        self.zero()
+
+
+class ShardedGradients:
+    """Only this rank's slice of the gradient is kept (stage 2).
+
+    Args:
+        buffer: the unit's parameters.
+        owned: ``[lo, hi)`` of the buffer this rank steps.
+        pool: where staging buffers come from (sized for the largest unit).
+    """
+
+    def __init__(self, buffer: FlatParamBuffer, owned: tuple[int, int], pool: StagingPool):
+        self.buffer = buffer
+        self.owned = owned
+        self.pool = pool
+        self.shard = torch.zeros(owned[1] - owned[0], dtype=buffer.dtype, device=buffer.device)
+        # (pool buffer, the part of it this unit uses) while gradients are being staged
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the owned slice (staging buffers are counted by the pool)."""
+        return self.shard.numel() * self.shard.element_size()
+
+    def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._staging is None:
+            pooled = staging()
+            used = pooled[: self.buffer.layout.padded_numel]
+            used.zero_()  # parameters without a gradient this micro-step contribute zeros
+            self._staging = (pooled, used)
+        return self._staging
+
+    def accept(self, index: int, staging: StagingProvider) -> None:
+        """Copy ``params[index]``'s fresh gradient into staging and free it."""
+        param = self.buffer.params[index]
+        if param.grad is None:
+            return
+        self.buffer.view(self._stage(staging)[1], index).add_(param.grad)
+        param.grad = None
+
+    def reduce(
+        self,
+        comm: Communicator,
+        policy: GradReducePolicy,
+        on_done: Callable[[], None],
+        staging: StagingProvider,
+    ) -> Handle:
+        """Reduce-scatter this micro-step's staged gradients and add them to ``shard``."""
+        pooled, full = self._stage(staging)
+        self._staging = None
+        lo, hi = self.owned
+        out = full[lo:hi]
+        if policy.pre_divide != 1.0:
+            full.div_(policy.pre_divide)
+
+        def finish() -> None:
+            if policy.post_divide != 1.0:
+                out.div_(policy.post_divide)
+            self.shard.add_(out)
+            self.pool.release(pooled)
+            on_done()
+
+        return comm.reduce_scatter(out, full, purpose="gradients", async_op=True, on_done=finish)
+
+    def zero(self) -> None:
+        """Start a new accumulation window."""
+        invariant(self._staging is None, "gradients staged but never reduced")
+        self.shard.zero_()
+
+    def reset(self) -> None:
+        """Drop whatever a failed backward pass left behind."""
+        if self._staging is not None:
+            self.pool.release(self._staging[0])
+            self._staging = None
+        for param in self.buffer.params:
+            param.grad = None
+        self.shard.zero_()
+
+    def zero_values(self) -> None:
+        """Zero the gradient in place (``engine.zero_grad()``)."""
+        self.shard.zero_()

@@ -1,0 +1,57 @@
+"""Reusable flat buffers that hold gradients on their way to a reduce-scatter (stage 2).
+
+At ZeRO stage 2 the full-size gradient is never kept: each unit's gradients are copied into a
+staging buffer as autograd produces them, reduce-scattered into the unit's owned shard, and
+the buffer is reused. Two buffers let one reduction run while the next unit fills.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerotrain.utils.invariant import invariant
+
+
+class StagingPool:
+    """Up to ``count`` buffers of ``numel`` elements, allocated on first use.
+
+    Args:
+        numel: elements per buffer (the largest unit's padded size).
+        dtype / device: of the gradients staged.
+        count: buffers kept; ``acquire`` returns None when all are in use.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int = 2):
+        invariant(numel > 0 and count > 0, "staging pool needs a size and a count")
+        self.numel = numel
+        self.dtype = dtype
+        self.device = device
+        self.count = count
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers allocated so far."""
+        return self._allocated * self.numel * torch.tensor([], dtype=self.dtype).element_size()
+
+    def acquire(self) -> torch.Tensor | None:
+        """A free buffer, or None when ``count`` buffers are already in use."""
+        if self._free:
+            return self._free.pop()
+        if self._allocated < self.count:
+            self._allocated += 1
+            return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return None
+
+    def grow(self) -> torch.Tensor:
+        """An extra buffer beyond ``count`` (when every buffer is held by a unit still
+        filling, waiting for one would deadlock)."""
+        self.count += 1
+        buffer = self.acquire()
+        invariant(buffer is not None, "staging pool failed to grow")
+        return buffer  # type: ignore[return-value]
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Return a buffer acquired from this pool."""
+        self._free.append(buffer)

@@ -1,0 +1,202 @@
+"""The ZeRO layer as the engine sees it: units, gradient reduction, and the bookkeeping
+around each optimizer step (clipping over shards, parameters that got no gradient, and
+re-gathering updated parameters).
+
+One implementation for every stage: ``ZeroPolicy`` decides what the units partition, and
+the rest of this module is the same code for stages 0, 1 and 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from zerotrain.comm.collectives import Communicator
+from zerotrain.config.policies import GradReducePolicy
+from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
+from zerotrain.zero.grad_sync import GradientSynchronizer
+from zerotrain.zero.policy import ZeroPolicy
+from zerotrain.zero.units import TrainableParam, build_units
+
+
+class ZeroStrategy:
+    """Owns the units of one model and runs their side of every training step.
+
+    Args:
+        trainable: every parameter that receives gradients, tagged with its optimizer group.
+        num_params: number of parameters of the model (ids run ``0 .. num_params - 1``).
+        bucket_numel: elements per unit (None: sized from the model).
+        comm: collectives over the data-parallel group.
+        zero: what is partitioned.
+        reduce: how gradients are averaged.
+    """
+
+    def __init__(
+        self,
+        trainable: Sequence[TrainableParam],
+        num_params: int,
+        bucket_numel: int | None,
+        comm: Communicator,
+        zero: ZeroPolicy,
+        reduce: GradReducePolicy,
+    ) -> None:
+        self.comm = comm
+        self.zero = zero
+        self.num_params = num_params
+        self.units, self.pools = build_units(trainable, bucket_numel, comm, zero, reduce)
+        self.sync = GradientSynchronizer(
+            self.units, overlap=reduce.overlap, every_micro_step=zero.shard_gradients
+        )
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def begin_backward(self, boundary: bool) -> None:
+        """Before autograd runs for one micro-step."""
+        self.sync.begin_backward(boundary)
+
+    def end_backward(self) -> None:
+        """After autograd finished: every reduction of this micro-step is complete."""
+        self.sync.end_backward()
+
+    def abort_backward(self) -> None:
+        """After autograd raised: discard the current window's gradients."""
+        self.sync.abort()
+
+    def zero_grads(self) -> None:
+        """Zero every gradient in place (reduction state is kept)."""
+        for unit in self.units:
+            unit.grads.zero_values()
+
+    # -- optimizer step -------------------------------------------------------------------------
+
+    def _sum_across_ranks(self, tensor: torch.Tensor) -> None:
+        self.comm.all_reduce(tensor, purpose="control")
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients, one flat tensor per unit (for clipping: together
+        over all ranks they hold each gradient element exactly once, or, at stage 0, every
+        rank holds all of them)."""
+        for unit in self.units:
+            unit.check_reduced()
+        return [u.grad_shard for u in self.units]
+
+    def partial_norm_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        """Sums partial squared norms over ranks when gradients are sharded, else None."""
+        return self._sum_across_ranks if self.zero.shard_optimizer else None
+
+    def _unused(self) -> list[tuple[ShardedUnit, int]]:
+        """Parameters that got no gradient on any rank in this window."""
+        flags = torch.zeros(self.num_params, dtype=torch.float32, device=self.comm.device)
+        for unit in self.units:
+            for i in unit.received:
+                flags[unit.param_ids[i]] = 1.0
+        self.comm.all_reduce(flags, purpose="control", op="max")
+        used = set(flags.nonzero().view(-1).tolist())
+        return [
+            (unit, i)
+            for unit in self.units
+            for i, pid in enumerate(unit.param_ids)
+            if pid not in used
+        ]
+
+    @contextlib.contextmanager
+    def _untouched(
+        self, unused: list[tuple[ShardedUnit, int]], optimizer: torch.optim.Optimizer
+    ) -> Iterator[None]:
+        """Undo an optimizer step for ``unused`` parameters, as plain PyTorch skips a
+        parameter whose gradient is None: no momentum, no weight decay.
+
+        A piece holding only unused parameters gets its whole state back; where used and
+        unused parameters share a piece, their values and moments are restored but the
+        piece's shared step count still advances (Adam's bias correction for those few
+        parameters then differs slightly from per-parameter counting).
+        """
+        unused_ids = {unit.param_ids[index] for unit, index in unused}
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        whole: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        for unit in {id(u): u for u, _ in unused}.values():
+            for piece in unit.pieces:
+                if all(pid in unused_ids for _, _, pid in piece.segments):
+                    # Nothing in the piece was used: its whole state (step counts included,
+                    # so bias corrections match plain PyTorch) is put back.
+                    state = optimizer.state.get(piece.param, {})
+                    whole.append((piece.param, copy.deepcopy(dict(state))))
+                    saved.append((piece.param, piece.param.clone()))
+        whole_ids = {id(p) for p, _ in whole}
+        for unit, index in unused:
+            for piece, where in unit.owned_slices(index):
+                if id(piece.param) in whole_ids:
+                    continue
+                state = optimizer.state.get(piece.param, {})
+                tensors = [piece.param] + [
+                    t
+                    for t in state.values()
+                    if isinstance(t, torch.Tensor) and t.shape == piece.param.shape
+                ]
+                saved += [(t[where], t[where].clone()) for t in tensors]
+        yield
+        for target, value in saved:
+            target.copy_(value)
+        for param, state in whole:
+            if state:
+                optimizer.state[param] = state
+            else:
+                optimizer.state.pop(param, None)
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer | None, steps_model_params: bool
+    ) -> None:
+        """Step ``optimizer`` on the reduced gradients, then start the next window.
+
+        ``steps_model_params``: the optimizer holds the model's own parameters (a user
+        optimizer at stage 0) rather than this strategy's flat pieces.
+        """
+        unused = self._unused()
+        if optimizer is not None:
+            if steps_model_params:
+                for unit in self.units:
+                    unit.bind_grads()
+                for unit, index in unused:
+                    unit.buffer.params[index].grad = None  # torch skips it, as without zerotrain
+                optimizer.step()
+            else:
+                with torch.no_grad(), self._untouched(unused, optimizer):
+                    optimizer.step()
+        handles = []
+        for unit in self.units:
+            unit.start_next_window()
+            handle = unit.gather()
+            if handle is not None:
+                handles.append(handle)
+        for handle in handles:
+            handle.wait()
+
+    # -- what the optimizer steps ---------------------------------------------------------------
+
+    def pieces(self, group: int) -> list[OptimizerPiece]:
+        """This rank's pieces of optimizer group ``group``, over all units."""
+        return [p for unit in self.units for p in unit.pieces if p.group == group]
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    def param_bytes(self) -> int:
+        """Bytes of the flat parameter buffers on this rank."""
+        return sum(u.buffer.nbytes for u in self.units)
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage on this rank (staging buffers included)."""
+        return sum(u.grads.nbytes for u in self.units) + sum(p.nbytes for p in self.pools)
+
+    def managed(self) -> set[int]:
+        """ids (``id()``) of the parameters inside units."""
+        return {id(p) for unit in self.units for p in unit.buffer.params}
+
+    def remove(self) -> None:
+        """Detach hooks and give parameters their own storage back."""
+        self.sync.remove()
+        for unit in self.units:
+            unit.buffer.release()
