@@ -2,6 +2,9 @@
 # make test: the same environment, then lint, format check, type check and the test suite.
 PYTHON ?= python3
 VENV ?= .venv
+# The CPU build of torch. On a machine without a local wheel, point pip at PyTorch's CPU
+# index to avoid the CUDA build: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.zerotrain-installed
 
@@ -9,7 +12,7 @@ STAMP := $(VENV)/.zerotrain-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install --quiet -e '.[dev,demo]'
 	touch $(STAMP)
 

@@ -251,14 +251,16 @@ def build_deepspeed(model: GPT, stage: int, micro: int) -> System:
         inner = getattr(opt, "optimizer", opt)
         params = list(model.parameters())
         grads = _tensor_bytes(p.grad for p in params if p.grad is not None)
-        for name in ("averaged_gradients", "single_partition_of_fp32_groups"):
-            value = getattr(opt, name, None)
-            if isinstance(value, dict):
-                grads += _tensor_bytes(t for ts in value.values() for t in ts)
+        averaged = getattr(opt, "averaged_gradients", None) or {}
+        grads += _tensor_bytes(t for ts in averaged.values() if ts for t in ts)
+        # ZeRO 1-2 keep an fp32 copy of this rank's partition for the optimizer, even when
+        # the model itself is fp32: counted with the optimizer states it belongs to.
+        masters = list(getattr(opt, "single_partition_of_fp32_groups", None) or [])
+        grads += _tensor_bytes(m.grad for m in masters if m.grad is not None)
         return {
             "params": _tensor_bytes(params),
             "grads": grads,
-            "optimizer": _optimizer_state(inner),
+            "optimizer": _optimizer_state(inner) + _tensor_bytes(masters),
         }
 
     return System(_engine_step(engine), state)

@@ -130,11 +130,13 @@ def test_communication_volume_per_step_matches_the_zero_paper(stage, grad_accum)
                 assert total == 2 * size  # the paper's 2 x params for stages 1 and 2
 
 
-def _reductions_during_backward(stage: int) -> tuple[int, int]:
+def _reductions_during_backward(stage: int, overlap: bool) -> tuple[int, int]:
     spec = RunSpec(steps=1, grad_accum=1, stage=stage)
     model = make_model(spec)
     world = dist.get_world_size()
-    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, world))
+    config = zerotrain_config(spec, world)
+    config["zero_optimization"]["overlap_comm"] = overlap
+    engine, *_ = zerotrain.initialize(model=model, config=config)
     seen: list[int] = []
     # The embedding's backward is among the last things autograd runs.
     model.wte.register_full_backward_hook(
@@ -146,9 +148,13 @@ def _reductions_during_backward(stage: int) -> tuple[int, int]:
     return seen[0], len(engine.strategy.units)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_gradients_are_reduced_while_backward_is_still_running(stage):
-    launched_before_end, units = run_distributed(_reductions_during_backward, 2, stage)[0]
+def test_gradients_are_reduced_while_backward_is_still_running(stage, overlap):
+    # overlap_comm: reductions run beside backward; without it each is waited for at once
+    # (the CPU default), but they still start from the hooks, unit by unit.
+    launched = run_distributed(_reductions_during_backward, 2, stage, overlap)[0]
+    launched_before_end, units = launched
     assert 0 < launched_before_end < units
 
 

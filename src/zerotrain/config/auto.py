@@ -12,7 +12,9 @@ loader says that the value must be filled in, instead of training with a guess.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 from zerotrain.config.errors import ConfigProblem
@@ -24,13 +26,15 @@ _DERIVED = {
     ("train_micro_batch_size_per_gpu",),
     ("gradient_accumulation_steps",),
 }
-_MUST_FILL: dict[tuple[str, ...], str] = {
-    ("optimizer", "params", "lr"): "the learning rate",
-    ("scheduler", "params", "total_num_steps"): "the total number of optimizer steps",
-    ("scheduler", "params", "warmup_num_steps"): "the number of warm-up steps",
-    ("gradient_clipping",): "the clipping threshold (0 disables clipping)",
-    ("zero_optimization", "stage"): "the ZeRO stage",
-}
+_MUST_FILL: Mapping[tuple[str, ...], str] = MappingProxyType(
+    {
+        ("optimizer", "params", "lr"): "the learning rate",
+        ("scheduler", "params", "total_num_steps"): "the total number of optimizer steps",
+        ("scheduler", "params", "warmup_num_steps"): "the number of warm-up steps",
+        ("gradient_clipping",): "the clipping threshold (0 disables clipping)",
+        ("zero_optimization", "stage"): "the ZeRO stage",
+    }
+)
 _MAX_LR = ("scheduler", "params", "warmup_max_lr")
 
 

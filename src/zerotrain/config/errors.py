@@ -8,8 +8,9 @@ one :class:`ConfigError`, so a user fixes a config in one pass instead of one ke
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import ValidationError
@@ -72,22 +73,24 @@ def unknown_key_problem(path: str, key: str, valid: Iterable[str]) -> ConfigProb
 
 
 # What each pydantic error type means in the words of someone writing a JSON file.
-_ALLOWED: dict[str, str] = {
-    "int_type": "a whole number (integral floats such as 5e8 are accepted)",
-    "int_from_float": "a whole number (integral floats such as 5e8 are accepted)",
-    "int_parsing": "a whole number",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "bool_type": "true or false",
-    "string_type": "a string",
-    "dict_type": "an object ({...})",
-    "model_type": "an object ({...})",
-    "model_attributes_type": "an object ({...})",
-    "tuple_type": "a list",
-    "list_type": "a list",
-    "missing": "a value (this key is required)",
-    "finite_number": "a finite number",
-}
+_ALLOWED: Mapping[str, str] = MappingProxyType(
+    {
+        "int_type": "a whole number (integral floats such as 5e8 are accepted)",
+        "int_from_float": "a whole number (integral floats such as 5e8 are accepted)",
+        "int_parsing": "a whole number",
+        "float_type": "a number",
+        "float_parsing": "a number",
+        "bool_type": "true or false",
+        "string_type": "a string",
+        "dict_type": "an object ({...})",
+        "model_type": "an object ({...})",
+        "model_attributes_type": "an object ({...})",
+        "tuple_type": "a list",
+        "list_type": "a list",
+        "missing": "a value (this key is required)",
+        "finite_number": "a finite number",
+    }
+)
 
 
 def _allowed(error: ErrorDetails) -> str:

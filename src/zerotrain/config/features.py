@@ -7,6 +7,8 @@ do nothing in the chosen configuration (stage-3 knobs at stage 0, say) are repor
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from zerotrain.config import optim_params
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.types import LooseSection
@@ -29,23 +31,25 @@ _LOOSE_ENABLED_BY_FLAG = (
 _LOOSE_ENABLED_BY_PRESENCE = ("pipeline", "sparse_attention", "compression_training")
 
 # zero_optimization keys that only act at a given stage or above.
-_ZERO_KEYS_FROM_STAGE = {
-    "allgather_partitions": 1,
-    "allgather_bucket_size": 1,
-    "reduce_scatter": 2,
-    "contiguous_gradients": 2,
-    "round_robin_gradients": 2,
-    "elastic_checkpoint": 1,
-    "load_from_fp32_weights": 1,
-    "legacy_stage1": 1,
-    "sub_group_size": 3,
-    "stage3_prefetch_bucket_size": 3,
-    "stage3_param_persistence_threshold": 3,
-    "stage3_max_live_parameters": 3,
-    "stage3_max_reuse_distance": 3,
-    "stage3_gather_16bit_weights_on_model_save": 3,
-    "memory_efficient_linear": 3,
-}
+_ZERO_KEYS_FROM_STAGE = MappingProxyType(
+    {
+        "allgather_partitions": 1,
+        "allgather_bucket_size": 1,
+        "reduce_scatter": 2,
+        "contiguous_gradients": 2,
+        "round_robin_gradients": 2,
+        "elastic_checkpoint": 1,
+        "load_from_fp32_weights": 1,
+        "legacy_stage1": 1,
+        "sub_group_size": 3,
+        "stage3_prefetch_bucket_size": 3,
+        "stage3_param_persistence_threshold": 3,
+        "stage3_max_live_parameters": 3,
+        "stage3_max_reuse_distance": 3,
+        "stage3_gather_16bit_weights_on_model_save": 3,
+        "memory_efficient_linear": 3,
+    }
+)
 
 
 def _loose_enabled(name: str, section: LooseSection) -> bool:

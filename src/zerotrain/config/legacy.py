@@ -6,20 +6,24 @@ should win is not obvious).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from zerotrain.config.errors import ConfigProblem
 
 # (path of the containing object, old key) -> new key
-_RENAMES: dict[tuple[tuple[str, ...], str], str] = {
-    ((), "bfloat16"): "bf16",
-    (("zero_optimization",), "stage3_gather_fp16_weights_on_model_save"): (
-        "stage3_gather_16bit_weights_on_model_save"
-    ),
-    (("zero_optimization",), "gather_16bit_weights_on_model_save"): (
-        "stage3_gather_16bit_weights_on_model_save"
-    ),
-}
+_RENAMES: Mapping[tuple[tuple[str, ...], str], str] = MappingProxyType(
+    {
+        ((), "bfloat16"): "bf16",
+        (("zero_optimization",), "stage3_gather_fp16_weights_on_model_save"): (
+            "stage3_gather_16bit_weights_on_model_save"
+        ),
+        (("zero_optimization",), "gather_16bit_weights_on_model_save"): (
+            "stage3_gather_16bit_weights_on_model_save"
+        ),
+    }
+)
 
 
 def _rename(

@@ -7,6 +7,8 @@ DeepSpeed does (``"Adam"``, ``"adam"``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -137,12 +139,14 @@ class WarmupCosineLRParams(Section):
     last_batch_iteration: Int = -1
 
 
-OPTIMIZER_PARAMS: dict[str, type[Section]] = {
-    "adam": AdamParams,
-    "adamw": AdamWParams,
-    "sgd": SGDParams,
-    "lamb": LambParams,
-}
+OPTIMIZER_PARAMS: Mapping[str, type[Section]] = MappingProxyType(
+    {
+        "adam": AdamParams,
+        "adamw": AdamWParams,
+        "sgd": SGDParams,
+        "lamb": LambParams,
+    }
+)
 # Known to DeepSpeed users but not built here yet: named so the error says "not implemented".
 OPTIMIZERS_NOT_IMPLEMENTED = (
     "onebitadam",
@@ -154,28 +158,32 @@ OPTIMIZERS_NOT_IMPLEMENTED = (
     "muadamw",
     "musgd",
 )
-SCHEDULER_PARAMS: dict[str, type[Section]] = {
-    "WarmupLR": WarmupLRParams,
-    "WarmupDecayLR": WarmupDecayLRParams,
-    "WarmupCosineLR": WarmupCosineLRParams,
-}
+SCHEDULER_PARAMS: Mapping[str, type[Section]] = MappingProxyType(
+    {
+        "WarmupLR": WarmupLRParams,
+        "WarmupDecayLR": WarmupDecayLRParams,
+        "WarmupCosineLR": WarmupCosineLRParams,
+    }
+)
 SCHEDULERS_NOT_IMPLEMENTED = ("OneCycle", "LRRangeTest")
 
 # Canonical spellings for messages.
-OPTIMIZER_DISPLAY = {
-    "adam": "Adam",
-    "adamw": "AdamW",
-    "sgd": "SGD",
-    "lamb": "Lamb",
-    "onebitadam": "OneBitAdam",
-    "onebitlamb": "OneBitLamb",
-    "zerooneadam": "ZeroOneAdam",
-    "adagrad": "Adagrad",
-    "lion": "Lion",
-    "muadam": "MuAdam",
-    "muadamw": "MuAdamW",
-    "musgd": "MuSGD",
-}
+OPTIMIZER_DISPLAY = MappingProxyType(
+    {
+        "adam": "Adam",
+        "adamw": "AdamW",
+        "sgd": "SGD",
+        "lamb": "Lamb",
+        "onebitadam": "OneBitAdam",
+        "onebitlamb": "OneBitLamb",
+        "zerooneadam": "ZeroOneAdam",
+        "adagrad": "Adagrad",
+        "lion": "Lion",
+        "muadam": "MuAdam",
+        "muadamw": "MuAdamW",
+        "musgd": "MuSGD",
+    }
+)
 
 
 def canonical_optimizer(name: str) -> str:

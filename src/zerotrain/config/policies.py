@@ -45,7 +45,7 @@ class GradReducePolicy:
     """
 
     bucket_numel: int | None  # None: sized from the model
-    overlap: bool
+    overlap: bool | None  # None: on for GPUs, off for CPUs (see zero/strategy.py)
     pre_divide: float
     post_divide: float
 
@@ -103,7 +103,7 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         post = dp_world_size / cfg.gradient_predivide_factor
     grad_reduce = GradReducePolicy(
         bucket_numel=zero.reduce_bucket_size,
-        overlap=True if zero.overlap_comm is None else zero.overlap_comm,
+        overlap=zero.overlap_comm,
         pre_divide=pre,
         post_divide=post,
     )

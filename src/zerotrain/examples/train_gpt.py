@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     engine, _, loader, _ = zerotrain.initialize(
         model=model, model_parameters=param_groups(model, 0.1), training_data=dataset, config=config
     )
-    assert loader is not None
+    if loader is None:
+        raise RuntimeError("initialize returned no DataLoader although training_data was given")
     rank0 = engine.comm.rank == 0
     tokens_per_step = engine.train_batch_size() * args.block_size
     bar = tqdm(total=args.steps, disable=not (rank0 and sys.stderr.isatty()), unit="step")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
-            window_loss += float(loss) / args.grad_accum
+            window_loss += loss.item() / args.grad_accum
             if engine.micro_steps % args.grad_accum:
                 continue
             losses.append(sum(_per_rank(engine, window_loss)) / engine.comm.world_size)

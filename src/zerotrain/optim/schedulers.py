@@ -9,7 +9,8 @@ DeepSpeed; loss curves therefore line up with runs of the same config there.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -199,8 +200,10 @@ class WarmupCosineLR(_Schedule):
         return [lr * ratio for lr in self.base_lrs]
 
 
-SCHEDULERS: dict[str, type[_Schedule]] = {
-    "WarmupLR": WarmupLR,
-    "WarmupDecayLR": WarmupDecayLR,
-    "WarmupCosineLR": WarmupCosineLR,
-}
+SCHEDULERS: Mapping[str, type[_Schedule]] = MappingProxyType(
+    {
+        "WarmupLR": WarmupLR,
+        "WarmupDecayLR": WarmupDecayLR,
+        "WarmupCosineLR": WarmupCosineLR,
+    }
+)

@@ -114,6 +114,8 @@ class ShardedGradients:
         self.shard = torch.zeros(owned[1] - owned[0], dtype=buffer.dtype, device=buffer.device)
         # (pool buffer, the part of it this unit uses) while gradients are being staged
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._staged: set[int] = set()  # parameters copied into staging this micro-step
+        self._shard_is_zero = True  # the next reduction can overwrite instead of adding
 
     @property
     def nbytes(self) -> int:
@@ -123,9 +125,7 @@ class ShardedGradients:
     def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staging is None:
             pooled = staging()
-            used = pooled[: self.buffer.layout.padded_numel]
-            used.zero_()  # parameters without a gradient this micro-step contribute zeros
-            self._staging = (pooled, used)
+            self._staging = (pooled, pooled[: self.buffer.layout.padded_numel])
         return self._staging
 
     def accept(self, index: int, staging: StagingProvider) -> None:
@@ -133,8 +133,23 @@ class ShardedGradients:
         param = self.buffer.params[index]
         if param.grad is None:
             return
-        self.buffer.view(self._stage(staging)[1], index).add_(param.grad)
+        view = self.buffer.view(self._stage(staging)[1], index)
+        if index in self._staged:
+            view.add_(param.grad)
+        else:
+            view.copy_(param.grad)  # staging is not cleared in advance: copy, don't add
+            self._staged.add(index)
         param.grad = None
+
+    def _zero_unstaged(self, full: torch.Tensor) -> None:
+        """Zero the parts of staging no gradient was copied into (unused parameters and
+        padding contribute zeros to the reduction)."""
+        layout = self.buffer.layout
+        for index in range(len(self.buffer.params)):
+            if index not in self._staged:
+                self.buffer.view(full, index).zero_()
+        full[layout.numel :].zero_()
+        self._staged.clear()
 
     def reduce(
         self,
@@ -146,15 +161,20 @@ class ShardedGradients:
         """Reduce-scatter this micro-step's staged gradients and add them to ``shard``."""
         pooled, full = self._stage(staging)
         self._staging = None
+        self._zero_unstaged(full)
         lo, hi = self.owned
         out = full[lo:hi]
         if policy.pre_divide != 1.0:
             full.div_(policy.pre_divide)
+        overwrite, self._shard_is_zero = self._shard_is_zero, False
 
         def finish() -> None:
             if policy.post_divide != 1.0:
                 out.div_(policy.post_divide)
-            self.shard.add_(out)
+            if overwrite:
+                self.shard.copy_(out)
+            else:
+                self.shard.add_(out)
             self.pool.release(pooled)
             on_done()
 
@@ -163,17 +183,20 @@ class ShardedGradients:
     def zero(self) -> None:
         """Start a new accumulation window."""
         invariant(self._staging is None, "gradients staged but never reduced")
-        self.shard.zero_()
+        self._shard_is_zero = True  # the first reduction of the window overwrites it
 
     def reset(self) -> None:
         """Drop whatever a failed backward pass left behind."""
         if self._staging is not None:
             self.pool.release(self._staging[0])
             self._staging = None
+        self._staged.clear()
         for param in self.buffer.params:
             param.grad = None
         self.shard.zero_()
+        self._shard_is_zero = True
 
     def zero_values(self) -> None:
         """Zero the gradient in place (``engine.zero_grad()``)."""
         self.shard.zero_()
+        self._shard_is_zero = True

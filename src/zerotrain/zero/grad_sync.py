@@ -103,17 +103,24 @@ class GradientSynchronizer:
         else:
             handle.wait()
 
-    def end_backward(self) -> None:
+    def launch_remaining(self) -> None:
         """After autograd finished: launch what is left (parameters without a gradient
-        contribute zeros) and wait for every reduction."""
-        if not self._syncing:
-            return
-        while self._next < len(self.units):
-            self._launch_next()
+        contribute zeros)."""
+        if self._syncing:
+            while self._next < len(self.units):
+                self._launch_next()
+
+    def wait(self) -> None:
+        """Wait for every reduction of this backward pass."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.wait()
         self._syncing = False
+
+    def end_backward(self) -> None:
+        """``launch_remaining`` then ``wait``."""
+        self.launch_remaining()
+        self.wait()
 
     def abort(self) -> None:
         """Recover from an exception raised during backward: finish the reductions already

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from zerotrain.comm.collectives import Communicator
+from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
+from zerotrain.utils.invariant import invariant
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, build_units
@@ -47,20 +49,37 @@ class ZeroStrategy:
         self.comm = comm
         self.zero = zero
         self.num_params = num_params
+        if reduce.overlap is None:
+            # On CPUs every core already computes, so a reduction running beside backward
+            # only competes with it; waiting for each as it is launched is faster there.
+            reduce = dataclasses.replace(reduce, overlap=comm.device.type == "cuda")
         self.units, self.pools = build_units(trainable, bucket_numel, comm, zero, reduce)
         self.sync = GradientSynchronizer(
-            self.units, overlap=reduce.overlap, every_micro_step=zero.shard_gradients
+            self.units, overlap=bool(reduce.overlap), every_micro_step=zero.shard_gradients
+        )
+        self._boundary = False
+        self._used: tuple[torch.Tensor, Handle] | None = None
+        self._trainable_ids = torch.tensor(
+            [pid for unit in self.units for pid in unit.param_ids],
+            dtype=torch.long,
+            device=comm.device,
         )
 
     # -- backward -------------------------------------------------------------------------------
 
     def begin_backward(self, boundary: bool) -> None:
         """Before autograd runs for one micro-step."""
+        self._boundary = boundary
         self.sync.begin_backward(boundary)
 
     def end_backward(self) -> None:
         """After autograd finished: every reduction of this micro-step is complete."""
-        self.sync.end_backward()
+        self.sync.launch_remaining()
+        if self._boundary:
+            # Which parameters got a gradient is known now; exchanging it here runs behind
+            # the gradient reductions instead of adding a round trip to the step.
+            self._used = self._exchange_used()
+        self.sync.wait()
 
     def abort_backward(self) -> None:
         """After autograd raised: discard the current window's gradients."""
@@ -88,13 +107,25 @@ class ZeroStrategy:
         """Sums partial squared norms over ranks when gradients are sharded, else None."""
         return self._sum_across_ranks if self.zero.shard_optimizer else None
 
+    def _exchange_used(self) -> tuple[torch.Tensor, Handle]:
+        """Start an all-reduce of which parameters got a gradient in this window."""
+        # 1 = used; parameters outside the units (frozen) count as used, so that the common
+        # case (everything used) is recognised with one check.
+        flags = torch.ones(self.num_params, dtype=torch.float32, device=self.comm.device)
+        flags[self._trainable_ids] = 0.0
+        ids = [unit.param_ids[i] for unit in self.units for i in unit.received]
+        if ids:
+            flags[torch.tensor(ids, device=flags.device)] = 1.0
+        return flags, self.comm.all_reduce(flags, purpose="control", op="max", async_op=True)
+
     def _unused(self) -> list[tuple[ShardedUnit, int]]:
         """Parameters that got no gradient on any rank in this window."""
-        flags = torch.zeros(self.num_params, dtype=torch.float32, device=self.comm.device)
-        for unit in self.units:
-            for i in unit.received:
-                flags[unit.param_ids[i]] = 1.0
-        self.comm.all_reduce(flags, purpose="control", op="max")
+        invariant(self._used is not None, "optimizer step without a boundary backward pass")
+        flags, handle = self._used  # type: ignore[misc]
+        self._used = None
+        handle.wait()
+        if bool(flags.all()):
+            return []
         used = set(flags.nonzero().view(-1).tolist())
         return [
             (unit, i)

@@ -44,16 +44,23 @@ def _group_major(bucket: list[TrainableParam]) -> list[TrainableParam]:
     return sorted(bucket, key=lambda e: (e.group_index is None, e.group_index or 0, -e.position))
 
 
-# Automatic bucket size: an eighth of the model, so reductions overlap backward, within
-# [1M, 25M] elements: smaller buckets cost more calls than they save, larger ones delay the
-# first reduction (25M fp32 elements = 100 MB; DDP's default bucket is 25 MB).
 AUTO_BUCKET_MIN = 1_000_000
 AUTO_BUCKET_MAX = 25_000_000
 
 
-def auto_bucket_numel(total_numel: int) -> int:
-    """The bucket size used when ``reduce_bucket_size`` is not set."""
-    return min(AUTO_BUCKET_MAX, max(AUTO_BUCKET_MIN, total_numel // 8))
+def auto_bucket_numel(total_numel: int, device: torch.device, zero: ZeroPolicy) -> int:
+    """The bucket size used when ``reduce_bucket_size`` is not set.
+
+    On GPUs an eighth of the model, within [1M, 25M] elements, so reductions overlap
+    backward (smaller buckets cost more calls than they save; 25M fp32 elements = 100 MB).
+    On CPUs the ranks' compute already occupies every core, so overlap buys nothing and each
+    extra collective costs a round trip: the whole model is one bucket, except at stage 2,
+    where the bucket bounds gradient staging memory (a quarter of the model, two halves).
+    """
+    if device.type == "cpu" and not zero.shard_gradients:
+        return max(total_numel, 1)
+    share = 4 if device.type == "cpu" else 8
+    return min(AUTO_BUCKET_MAX, max(AUTO_BUCKET_MIN, total_numel // share))
 
 
 def build_units(
@@ -69,8 +76,10 @@ def build_units(
     for entry in trainable:
         by_dtype.setdefault((entry.param.dtype, entry.param.device), []).append(entry)
 
-    if bucket_numel is None:
-        bucket_numel = auto_bucket_numel(sum(e.param.numel() for e in trainable))
+    if bucket_numel is None and trainable:
+        total = sum(e.param.numel() for e in trainable)
+        bucket_numel = auto_bucket_numel(total, trainable[0].param.device, zero)
+    bucket_numel = bucket_numel or 0
     # Stage 2 stages gradients in two buffers (one reduction in flight while the next unit
     # fills); half-size units keep that staging memory within one reduce_bucket_size.
     unit_numel = bucket_numel // 2 if zero.shard_gradients and reduce.overlap else bucket_numel
