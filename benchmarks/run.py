@@ -1,14 +1,14 @@
 """Run zerotrain and its peers side by side and write a results table.
 
-    python benchmarks/run.py --size small --world-size 2 \
+    python benchmarks/run.py --size small --world-sizes 2 \
         --systems ddp,zerotrain-0,zero1torch,fsdp2,deepspeed-0 --steps 20
 
 Each system trains the same GPT on the same data with the same optimizer (AdamW, fused
-where torch has it), gradient clipping 1.0 and micro-batch, on ``--world-size`` CPU ranks
-(gloo). Systems run one after another, ``--repeats`` times in interleaved order, and the
-median step time is reported, so a system is not favoured by when it ran. Results are
-printed as a markdown table and, with ``--results``, appended to RESULTS.md with the command.
-DeepSpeed is skipped (with a note) when it is not installed.
+where torch has it), gradient clipping 1.0 and micro-batch, on CPU ranks (gloo), for each
+of ``--world-sizes``. Systems run one after another, ``--repeats`` times in interleaved
+order, and the median step time is reported, so a system is not favoured by when it ran.
+Results are printed as markdown tables and, with ``--results``, appended to a file with
+the command. DeepSpeed is skipped (with a note) when it is not installed.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def run_system(system: str, args: argparse.Namespace, out: Path) -> list[dict] | str:
+def run_system(system: str, world: int, args: argparse.Namespace, out: Path) -> list[dict] | str:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": "cpu"}
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={args.world_size}",
+        f"--nproc-per-node={world}",
         str(WORKER),
         "--system",
         system,
@@ -56,7 +56,7 @@ def run_system(system: str, args: argparse.Namespace, out: Path) -> list[dict] |
     except subprocess.TimeoutExpired:
         return f"timed out after {args.timeout}s"
     files = sorted(out.glob(f"{system}.rank*.json"))
-    if len(files) != args.world_size:
+    if len(files) != world:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
         return f"failed (exit {proc.returncode}): " + " | ".join(tail)
     results = [json.loads(f.read_text()) for f in files]
@@ -111,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="ddp,zerotrain-0,zero1torch,fsdp2,deepspeed-0")
     parser.add_argument("--size", default="small", choices=["small", "medium"])
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-sizes", default="2", help="comma list; one table each")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
@@ -127,40 +127,44 @@ def main() -> None:
     ):
         notes.append("DeepSpeed is not installed; its rows are skipped.")
         systems = [s for s in systems if not s.startswith("deepspeed")]
-    runs: dict[str, list[list[dict]]] = {s: [] for s in systems}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for system in systems:
-                result = run_system(system, args, Path(tmp))
-                if isinstance(result, str):
-                    notes.append(f"{system} (repeat {repeat + 1}): {result}")
-                else:
-                    runs[system].append(result)
-                print(
-                    f"[{repeat + 1}/{args.repeats}] {system}: "
-                    f"{'ok' if not isinstance(result, str) else result}",
-                    flush=True,
-                )
-    rows = [summarize(s, r) for s, r in runs.items() if r]
     command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    report = "\n".join(
-        [
-            f"### {args.size} GPT ({rows[0]['params'] / 1e6:.1f}M parameters), "
-            f"{args.world_size} ranks, fp32"
-            if rows
-            else "### (no results)",
-            "",
-            f"`{command}`",
-            "",
-            table(rows, systems[0]) if rows else "",
-            "",
-            *(f"- {n}" for n in notes),
-        ]
-    )
+    reports = [f"`{command}`", ""]
+    for world in (int(w) for w in args.world_sizes.split(",")):
+        rows = run_world(systems, world, args, notes)
+        if rows:
+            plural = "s" if world > 1 else ""
+            reports += [
+                f"#### {args.size} GPT ({rows[0]['params'] / 1e6:.1f}M parameters), "
+                f"{world} rank{plural}, fp32",
+                "",
+                table(rows, systems[0]),
+                "",
+            ]
+    report = "\n".join([*reports, *(f"- {n}" for n in notes)])
     print(report)
     if args.results:
         with open(args.results, "a") as f:
             f.write("\n" + report + "\n")
+
+
+def run_world(
+    systems: list[str], world: int, args: argparse.Namespace, notes: list[str]
+) -> list[dict]:
+    """Every system on ``world`` ranks, ``args.repeats`` times in interleaved order."""
+    runs: dict[str, list[list[dict]]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for system in systems:
+                result = run_system(system, world, args, Path(tmp))
+                if isinstance(result, str):
+                    notes.append(f"{system} on {world} ranks (repeat {repeat + 1}): {result}")
+                else:
+                    runs[system].append(result)
+                status = result if isinstance(result, str) else "ok"
+                print(
+                    f"[{world} ranks, {repeat + 1}/{args.repeats}] {system}: {status}", flush=True
+                )
+    return [summarize(s, r) for s, r in runs.items() if r]
 
 
 if __name__ == "__main__":

@@ -274,3 +274,11 @@ def test_parameters_without_gradient_are_not_updated_like_plain_pytorch(stage):
     ref = _two_heads_reference(2)
     for name, values in ref.items():
         assert got[name] == pytest.approx(values, abs=1e-5), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage_matches_over_plain_gloo_collectives(stage):
+    # The default CPU path runs collectives through shared memory; this covers gloo's.
+    spec = _spec(stage, steps=6)
+    results = run_distributed(train_zerotrain, 3, spec, env={"ZEROTRAIN_SHM": "0"})
+    assert_matches(results[0], train_reference(spec, 3))

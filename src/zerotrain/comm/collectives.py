@@ -9,14 +9,19 @@ Asynchronous calls return a :class:`Handle` with an explicit ``wait()``.
 from __future__ import annotations
 
 import datetime
+import uuid
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm import shm
 from zerotrain.comm.stats import CommSnapshot, CommStats
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 _REDUCE_OPS = MappingProxyType(
     {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -88,6 +93,8 @@ class Communicator:
             would block the CPU until the GPU finished, defeating overlap.
         device: where small control tensors (loss averages, flags) live; default: CUDA's
             current device for NCCL, else CPU.
+        shared_memory: run CPU collectives through a shared-memory arena when every rank is
+            on this machine (default: when supported; ``ZEROTRAIN_SHM=0`` disables it).
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class Communicator:
         group: dist.ProcessGroup | None = None,
         timeout: datetime.timedelta | None = None,
         device: torch.device | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         invariant(dist.is_initialized(), "Communicator needs an initialised process group")
         self.group = group
@@ -110,6 +118,59 @@ class Communicator:
             )
         self.device = device
         self.stats = CommStats()
+        if shared_memory is None:
+            shared_memory = self.backend == "gloo" and self.world_size > 1 and shm.supported()
+        self._shm = self._open_shared_memory() if shared_memory else None
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether CPU collectives go through a shared-memory arena."""
+        return self._shm is not None
+
+    def _open_shared_memory(self) -> shm.ShmCollectives | None:
+        """Set up the arena if every rank is on this machine; every rank agrees or none uses
+        it (a rank that fails to map the segment makes all of them fall back to gloo)."""
+        hosts: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(hosts, shm.host_identity(), group=self.group)
+        if len(set(hosts)) != 1:
+            return None
+
+        def open_arena(name: str, create: bool) -> shm.ShmArena | None:
+            try:
+                return shm.ShmArena(
+                    name,
+                    self.rank,
+                    self.world_size,
+                    create,
+                    self.timeout,
+                    shm.slot_bytes_from_env(),
+                )
+            except OSError as err:
+                log.warning("rank %d: shared-memory collectives unavailable (%s)", self.rank, err)
+                return None
+
+        # Rank 0 creates the segment before anyone learns its name, so nobody opens too early.
+        arena = open_arena(f"zerotrain-{uuid.uuid4().hex[:16]}", True) if self.rank == 0 else None
+        names: list[str | None] = [arena.name if arena is not None else None]
+        dist.broadcast_object_list(names, src=self._global(0), group=self.group)
+        if self.rank != 0 and names[0] is not None:
+            arena = open_arena(str(names[0]), False)
+        ok = 1.0 if arena is not None else 0.0
+        flag = torch.tensor([ok])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)  # also: all attached
+        if self.rank == 0 and arena is not None:
+            arena.unlink()  # the memory lives while mapped; no name is left behind
+        if flag.item() < 1.0:
+            if arena is not None:
+                arena.close()
+            return None
+        return shm.ShmCollectives(arena)  # type: ignore[arg-type]
+
+    def _shared(self, *tensors: torch.Tensor) -> shm.ShmCollectives | None:
+        """The shared-memory path, when it applies to these tensors."""
+        if self._shm is not None and all(t.device.type == "cpu" for t in tensors):
+            return self._shm
+        return None
 
     def snapshot(self) -> CommSnapshot:
         """Counts of every collective issued so far (see ``CommStats``)."""
@@ -122,7 +183,7 @@ class Communicator:
         op: str,
         purpose: str,
         payload: torch.Tensor,
-        call: Callable[[bool], dist.Work | Sequence[dist.Work] | None],
+        call: Callable[[], dist.Work | Sequence[dist.Work] | None],
         async_op: bool,
         on_done: Callable[[], None] | None = None,
     ) -> Handle:
@@ -137,7 +198,7 @@ class Communicator:
 
         self.stats.record(op, purpose, nbytes)
         try:
-            work = call(True)
+            work = call()
         except Exception as exc:
             raise CollectiveError(_failure_message(describe(), exc)) from exc
         handle = Handle(work, describe, on_done, self.timeout)
@@ -161,11 +222,21 @@ class Communicator:
         ``on_done`` runs (on the waiting thread) once the result is in ``tensor``.
         """
         reduce_op = _REDUCE_OPS[op]
+        shared = self._shared(tensor)
+        if shared is not None:
+            return self._run(
+                "all_reduce",
+                purpose,
+                tensor,
+                lambda: shared.all_reduce(tensor, op),
+                async_op,
+                on_done,
+            )
         return self._run(
             "all_reduce",
             purpose,
             tensor,
-            lambda a: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=a),
+            lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
             async_op,
             on_done,
         )
@@ -190,13 +261,23 @@ class Communicator:
             f"reduce_scatter: full has {full.numel()} elements, expected "
             f"{output.numel()} x {self.world_size}",
         )
+        shared = self._shared(output, full)
+        if shared is not None:
+            return self._run(
+                "reduce_scatter",
+                purpose,
+                full,
+                lambda: shared.reduce_scatter(output, full),
+                async_op,
+                on_done,
+            )
         if self.backend != "gloo":
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             return self._run(
                 "reduce_scatter",
                 purpose,
                 full,
-                lambda a: fn(output, full, group=self.group, async_op=a),
+                lambda: fn(output, full, group=self.group, async_op=True),
                 async_op,
                 on_done,
             )
@@ -215,7 +296,7 @@ class Communicator:
             "reduce_scatter",
             purpose,
             full,
-            lambda a: [
+            lambda: [
                 dist.reduce(chunks[k], dst=self._global(k), group=self.group, async_op=True)
                 for k in range(self.world_size)
             ],
@@ -239,13 +320,23 @@ class Communicator:
             f"all_gather: output has {output.numel()} elements, expected "
             f"{shard.numel()} x {self.world_size}",
         )
+        shared = self._shared(output, shard)
+        if shared is not None:
+            return self._run(
+                "all_gather",
+                purpose,
+                output,
+                lambda: shared.all_gather(output, shard),
+                async_op,
+                on_done,
+            )
         if self.backend != "gloo":
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             return self._run(
                 "all_gather",
                 purpose,
                 output,
-                lambda a: fn(output, shard, group=self.group, async_op=a),
+                lambda: fn(output, shard, group=self.group, async_op=True),
                 async_op,
                 on_done,
             )
@@ -257,7 +348,7 @@ class Communicator:
             "all_gather",
             purpose,
             output,
-            lambda a: [
+            lambda: [
                 dist.broadcast(chunks[k], src=self._global(k), group=self.group, async_op=True)
                 for k in range(self.world_size)
             ],
@@ -273,12 +364,17 @@ class Communicator:
         self, tensor: torch.Tensor, *, src: int = 0, purpose: str, async_op: bool = False
     ) -> Handle:
         """Copy rank ``src``'s ``tensor`` to every rank (``src`` is a rank in this group)."""
+        shared = self._shared(tensor)
+        if shared is not None:
+            return self._run(
+                "broadcast", purpose, tensor, lambda: shared.broadcast(tensor, src), async_op
+            )
         global_src = self._global(src)
         return self._run(
             "broadcast",
             purpose,
             tensor,
-            lambda a: dist.broadcast(tensor, src=global_src, group=self.group, async_op=a),
+            lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
             async_op,
         )
 
@@ -291,7 +387,9 @@ class Communicator:
     def barrier(self) -> None:
         """Wait until every rank reaches this point (or fail after the timeout)."""
         try:
-            if self.backend == "gloo" and self.timeout is not None:
+            if self._shm is not None:
+                self._shm.barrier()
+            elif self.backend == "gloo" and self.timeout is not None:
                 # gloo's monitored barrier names the ranks that never arrived.
                 dist.monitored_barrier(group=self.group, timeout=self.timeout)
             else:

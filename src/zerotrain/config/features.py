@@ -52,6 +52,24 @@ _ZERO_KEYS_FROM_STAGE = MappingProxyType(
 )
 
 
+# DeepSpeed tuning knobs for its own implementation, and what zerotrain does instead.
+_ZERO_KEYS_ZEROTRAIN_DECIDES = MappingProxyType(
+    {
+        "allgather_partitions": "updated shards are always all-gathered (on gloo as one "
+        "broadcast per shard)",
+        "allgather_bucket_size": "each unit's shards are all-gathered together; units are "
+        "sized by reduce_bucket_size",
+        "reduce_scatter": "gradients are always reduce-scattered at stages 1-2",
+        "contiguous_gradients": "the gradient partition is always one contiguous buffer",
+        "round_robin_gradients": "each rank reduces into its own contiguous partition",
+        "legacy_stage1": "there is one implementation of stage 1",
+        "ignore_unused_parameters": "parameters without a gradient are always handled "
+        "(left untouched, as in plain PyTorch)",
+        "elastic_checkpoint": "checkpoints will not depend on the world size",
+    }
+)
+
+
 def _loose_enabled(name: str, section: LooseSection) -> bool:
     if name in _LOOSE_ENABLED_BY_PRESENCE:
         return True
@@ -137,7 +155,11 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
     zero = cfg.zero_optimization
     for key in sorted(zero.model_fields_set):
         stage = _ZERO_KEYS_FROM_STAGE.get(key)
-        if stage is not None and zero.stage < stage:
+        if key in _ZERO_KEYS_ZEROTRAIN_DECIDES:
+            notes.append(
+                f"zero_optimization.{key} has no effect: {_ZERO_KEYS_ZEROTRAIN_DECIDES[key]}"
+            )
+        elif stage is not None and zero.stage < stage:
             notes.append(
                 f"zero_optimization.{key} acts only at stage >= {stage} "
                 f"(this config uses stage {zero.stage})"

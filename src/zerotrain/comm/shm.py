@@ -1,0 +1,282 @@
+"""Collectives through shared memory, for CPU ranks that share one machine.
+
+gloo moves data between processes on one host through TCP loopback sockets; a shared
+memory arena does the same work with plain memory copies, several times faster (the
+ZeRO reduce-scatter + all-gather of a 13 MB model: ~5 ms here instead of ~20 ms). It is used
+automatically when every rank of a gloo group runs on the same machine, on x86-64 (whose
+memory ordering makes the flag protocol below safe); ``ZEROTRAIN_SHM=0`` turns it off.
+
+The arena holds one cache line of control per rank and ``world_size`` data slots. Ranks
+synchronise on generation counters: ``barrier()`` raises this rank's counter and waits until
+every counter reached it. On x86-64, data written before a counter store is visible to any
+rank that sees the counter. A rank that exits is noticed through its process id, and every
+wait is bounded by the communicator's timeout: nothing hangs.
+
+Operations run synchronously on the calling thread and process tensors in chunks that fit
+the slots.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+from zerotrain.utils.invariant import invariant
+
+_LINE = 64  # bytes of control per rank: one cache line, so ranks never share a line
+SLOT_BYTES = 8 << 20
+_ALIGN = 64
+
+
+class ShmPeerError(RuntimeError):
+    """A peer never arrived at a shared-memory barrier (it exited, or is stuck)."""
+
+
+def supported() -> bool:
+    """Whether shared-memory collectives can run on this machine."""
+    return platform.machine() in ("x86_64", "AMD64") and os.environ.get("ZEROTRAIN_SHM") != "0"
+
+
+def slot_bytes_from_env() -> int:
+    """Bytes per slot: ``ZEROTRAIN_SHM_SLOT_BYTES`` or 8 MiB (larger slots, fewer barriers)."""
+    raw = os.environ.get("ZEROTRAIN_SHM_SLOT_BYTES")
+    if not raw:
+        return SLOT_BYTES
+    value = int(raw)
+    if value < _ALIGN * 8:
+        raise ValueError(f"ZEROTRAIN_SHM_SLOT_BYTES must be >= {_ALIGN * 8}, got {value}")
+    return value
+
+
+def host_identity() -> str:
+    """Identifies this machine's kernel: ranks with the same identity can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
+class ShmArena:
+    """The shared segment: control lines and data slots.
+
+    Args:
+        name: the segment's name (created by rank 0, opened by the others).
+        rank / world_size: this rank's place.
+        create: create the segment (rank 0) instead of opening it.
+        timeout: how long any wait may last.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        world_size: int,
+        create: bool,
+        timeout: datetime.timedelta | None,
+        slot_bytes: int = SLOT_BYTES,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.slot_bytes = slot_bytes
+        self.timeout = (timeout or datetime.timedelta(seconds=600)).total_seconds()
+        header = _LINE * world_size
+        size = header + world_size * slot_bytes
+        self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+        if not create:
+            # Python registers opened segments for removal at exit too (fixed only in 3.13's
+            # track=False); the creator alone owns the name.
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._control = np.ndarray((world_size, _LINE // 8), dtype=np.int64, buffer=self._shm.buf)
+        self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+        self._data_start = header
+        self._generation = 0
+        self._fence = threading.Lock()
+        self._control[rank, 1] = os.getpid()
+        self._control[rank, 0] = 0
+
+    @property
+    def name(self) -> str:
+        """The segment's name."""
+        return self._shm.name
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid; the memory goes when every rank detached)."""
+        self._shm.unlink()
+
+    def close(self) -> None:
+        """Detach from the segment."""
+        del self._control, self._bytes
+        self._shm.close()
+
+    def slot(self, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of slot ``index`` viewed as ``dtype``."""
+        start = self._data_start + index * self.slot_bytes
+        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+        invariant(nbytes <= self.slot_bytes, "shared-memory chunk larger than a slot")
+        return self._bytes[start : start + nbytes].view(dtype)
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank reached this barrier (generation ``n`` on every rank)."""
+        self._generation += 1
+        generation = self._generation
+        # A locked instruction is a full fence on x86: every store of this rank's data
+        # (streaming stores of large copies included) is visible before the counter is.
+        with self._fence:
+            pass
+        self._control[self.rank, 0] = generation
+        counters = self._control[:, 0]
+        if int(counters.min()) >= generation:
+            return
+        deadline = time.monotonic() + self.timeout
+        next_check = time.monotonic() + 0.5
+        spins = 0
+        while int(counters.min()) < generation:
+            spins += 1
+            if spins > 64:
+                time.sleep(0)  # yield the core to whatever else runs here
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peers(generation, what)
+                next_check = now + 0.5
+                if now >= deadline:
+                    raise ShmPeerError(self._late_message(generation, what, "did not arrive"))
+
+    def _check_peers(self, generation: int, what: str) -> None:
+        for peer in range(self.world_size):
+            if self._control[peer, 0] >= generation:
+                continue
+            try:
+                os.kill(int(self._control[peer, 1]), 0)
+            except ProcessLookupError:
+                raise ShmPeerError(self._late_message(generation, what, "exited")) from None
+            except PermissionError:
+                pass  # exists, owned by someone else
+
+    def _late_message(self, generation: int, what: str, verb: str) -> str:
+        late = [p for p in range(self.world_size) if self._control[p, 0] < generation]
+        return (
+            f"rank {self.rank}: rank(s) {late} {verb} during a shared-memory {what} "
+            f"(waited up to {self.timeout:.0f} s)"
+        )
+
+
+def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
+    return [(lo, min(numel, lo + per_piece)) for lo in range(0, numel, per_piece)]
+
+
+class ShmCollectives:
+    """All-reduce, reduce-scatter, all-gather and broadcast over a :class:`ShmArena`."""
+
+    def __init__(self, arena: ShmArena) -> None:
+        self.arena = arena
+        self.rank = arena.rank
+        self.world_size = arena.world_size
+
+    def _per_piece(self, dtype: torch.dtype) -> int:
+        size = torch.tensor([], dtype=dtype).element_size()
+        return max(1, (self.arena.slot_bytes // size) // _ALIGN * _ALIGN)
+
+    def _slots(self, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        return [self.arena.slot(k, dtype, numel) for k in range(self.world_size)]
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """Reduce ``tensor`` in place across ranks (sum, max or min)."""
+        flat = tensor.view(-1)
+        n = self.world_size
+        for lo, hi in _pieces(flat.numel(), self._per_piece(flat.dtype)):
+            slots = self._slots(flat.dtype, hi - lo)
+            slots[self.rank].copy_(flat[lo:hi])
+            self.arena.barrier("all-reduce")
+            # Each rank reduces its own sub-range of the piece, in place in slot 0.
+            sub = _pieces(hi - lo, -(-(hi - lo) // n))
+            if self.rank < len(sub):
+                a, b = sub[self.rank]
+                _reduce_into(slots[0][a:b], [s[a:b] for s in slots], op)
+            self.arena.barrier("all-reduce")
+            flat[lo:hi].copy_(slots[0])
+            self.arena.barrier("all-reduce")
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """Sum ``full`` across ranks into ``output`` (this rank's chunk); ``output`` may be
+        this rank's chunk of ``full``."""
+        flat = full.view(-1)
+        chunk = flat.numel() // self.world_size
+        mine_lo, mine_hi = self.rank * chunk, (self.rank + 1) * chunk
+        out = output.view(-1)
+        for lo, hi in _pieces(flat.numel(), self._per_piece(flat.dtype)):
+            slots = self._slots(flat.dtype, hi - lo)
+            slots[self.rank].copy_(flat[lo:hi])
+            self.arena.barrier("reduce-scatter")
+            a, b = max(lo, mine_lo), min(hi, mine_hi)
+            if a < b:
+                parts = [s[a - lo : b - lo] for s in slots]
+                _reduce_into(out[a - mine_lo : b - mine_lo], parts, "sum")
+            self.arena.barrier("reduce-scatter")
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """Concatenate every rank's ``shard`` into ``output``; ``shard`` may be this rank's
+        chunk of ``output``."""
+        flat = output.view(-1)
+        chunk = shard.numel()
+        mine_lo, mine_hi = self.rank * chunk, (self.rank + 1) * chunk
+        src = shard.view(-1)
+        for lo, hi in _pieces(flat.numel(), self._per_piece(flat.dtype)):
+            region = self.arena.slot(0, flat.dtype, hi - lo)
+            a, b = max(lo, mine_lo), min(hi, mine_hi)
+            if a < b:
+                region[a - lo : b - lo].copy_(src[a - mine_lo : b - mine_lo])
+            self.arena.barrier("all-gather")
+            flat[lo:hi].copy_(region)  # this rank's own part comes back unchanged
+            self.arena.barrier("all-gather")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Copy rank ``src``'s ``tensor`` to every rank."""
+        flat = tensor.view(-1)
+        for lo, hi in _pieces(flat.numel(), self._per_piece(flat.dtype)):
+            region = self.arena.slot(0, flat.dtype, hi - lo)
+            if self.rank == src:
+                region.copy_(flat[lo:hi])
+            self.arena.barrier("broadcast")
+            if self.rank != src:
+                flat[lo:hi].copy_(region)
+            self.arena.barrier("broadcast")
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self.arena.barrier("barrier")
+
+
+def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str) -> None:
+    """``out = reduce(parts)``; ``out`` may alias ``parts[0]``. Sums of 16-bit floats are
+    accumulated in fp32 and rounded once."""
+    if op == "sum" and out.dtype in (torch.bfloat16, torch.float16) and len(parts) > 1:
+        acc = parts[0].float()
+        for part in parts[1:]:
+            acc.add_(part)
+        out.copy_(acc)
+        return
+    if op == "sum":
+        if len(parts) == 1:
+            out.copy_(parts[0])
+            return
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+    elif op in ("max", "min"):
+        fn = torch.maximum if op == "max" else torch.minimum
+        if out.data_ptr() != parts[0].data_ptr():
+            out.copy_(parts[0])
+        for part in parts[1:]:
+            fn(out, part, out=out)
+    else:
+        raise ValueError(f"unsupported reduction {op!r}")
