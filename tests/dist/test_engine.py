@@ -16,27 +16,13 @@ from tests.helpers.training import (
     global_batches,
     make_model,
     micro_batch,
+    run_training,
     train_reference,
     zerotrain_config,
 )
 from zerotrain.testing.dist import DistributedTestError, run_distributed
 
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}
-
-
-def _train(engine: zerotrain.Engine, spec: RunSpec, model: torch.nn.Module) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    batches = global_batches(spec, world)
-    losses = []
-    for step in range(spec.steps):
-        total = 0.0
-        for micro in range(spec.grad_accum):
-            x, y = micro_batch(batches, spec, step, micro, rank, world)
-            total += engine.backward(engine(x, y)).item()
-            engine.step()
-        losses.append(engine.comm.all_reduce_floats([total])[0] / (world * spec.grad_accum))
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "lr": engine.get_lr()}
 
 
 # -- user optimizers and schedules ------------------------------------------------------------
@@ -60,7 +46,7 @@ def _user_optimizer(stage: int, kind: str) -> dict:
             config=config,
         )
         assert sched is not None and sched.optimizer is returned
-    return _train(engine, spec, model)
+    return run_training(engine, spec, model)
 
 
 @pytest.mark.parametrize("kind", ["object", "callable"])
@@ -196,7 +182,7 @@ def _step_log() -> list[str]:
     engine, *_ = zerotrain.initialize(
         model=model, config={**zerotrain_config(spec, 2), "steps_per_print": 2}
     )
-    _train(engine, spec, model)
+    run_training(engine, spec, model)
     return [m for m in capture.messages if m.startswith("step ")]
 
 
@@ -241,7 +227,7 @@ def _fail_once_then_train(stage: int) -> dict:
     with pytest.raises(ZeroDivisionError):
         engine.backward(engine(x, y))  # ...then backward fails on every rank
     hook.remove()
-    return _train(engine, spec, model)  # the window starts over; training goes on
+    return run_training(engine, spec, model)  # the window starts over; training goes on
 
 
 @pytest.mark.parametrize("stage", [0, 2])

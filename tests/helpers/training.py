@@ -81,30 +81,33 @@ def zerotrain_config(spec: RunSpec, world_size: int) -> dict[str, Any]:
     }
 
 
-def train_zerotrain(spec: RunSpec) -> dict[str, Any]:
-    """Runs on every rank: returns per-step global losses and the final parameters."""
+def run_training(engine: zerotrain.Engine, spec: RunSpec, model: torch.nn.Module) -> dict:
+    """Runs on every rank: train ``spec.steps`` steps on this rank's share of the global
+    batches; returns per-step global losses, the final parameters and the learning rates."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model(spec)
-    groups = (
-        param_groups(model, spec.opt_params.get("weight_decay", 0.0)) if spec.two_groups else None
-    )
-    engine, _, _, _ = zerotrain.initialize(
-        model=model, model_parameters=groups, config=zerotrain_config(spec, world)
-    )
     batches = global_batches(spec, world)
     losses = []
     for step in range(spec.steps):
         total = 0.0
         for micro in range(spec.grad_accum):
             x, y = micro_batch(batches, spec, step, micro, rank, world)
-            loss = engine(x, y)
-            engine.backward(loss)
+            total += engine.backward(engine(x, y)).item()
             engine.step()
-            total += loss.item()
-        summed = engine.comm.all_reduce_floats([total])[0]
-        losses.append(summed / (world * spec.grad_accum))
+        losses.append(engine.comm.all_reduce_floats([total])[0] / (world * spec.grad_accum))
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "lr": engine.get_lr()}
+
+
+def train_zerotrain(spec: RunSpec) -> dict[str, Any]:
+    """Runs on every rank: build the tiny GPT and engine for ``spec`` and train it."""
+    model = make_model(spec)
+    groups = (
+        param_groups(model, spec.opt_params.get("weight_decay", 0.0)) if spec.two_groups else None
+    )
+    engine, _, _, _ = zerotrain.initialize(
+        model=model, model_parameters=groups, config=zerotrain_config(spec, dist.get_world_size())
+    )
+    return run_training(engine, spec, model)
 
 
 class ReferenceLamb(torch.optim.Optimizer):

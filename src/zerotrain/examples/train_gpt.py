@@ -29,7 +29,7 @@ from zerotrain.utils.memory import current_rss_bytes, format_bytes, peak_rss_byt
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=250, help="optimizer steps")
-    parser.add_argument("--stage", type=int, default=0, help="ZeRO stage")
+    parser.add_argument("--stage", type=int, default=2, help="ZeRO stage (default 2)")
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-3)
