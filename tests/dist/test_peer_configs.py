@@ -26,7 +26,7 @@ TRAINS = "trains"
 # file -> (outcome, substrings the message must contain)
 EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "LambdaLabsML__distributed-training-guide__05-sharding-deepspeed__ds_config.json": (
-        "not_implemented", ("zero_optimization.stage=3", "bf16.enabled=true")),
+        "not_implemented", ("bf16.enabled=true")),
     "deepspeedai__DeepSpeedExamples__training__tensor_parallel__hf_integration__configs__ds_config.json": (
         "config_error", ('optimizer.params.lr: is "auto"', "scheduler.params.total_num_steps",
                          "gradient_clipping")),
@@ -42,10 +42,10 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "huggingface__transformers__tests__deepspeed__ds_config_zero2.json": (
         "config_error", ('optimizer.params.lr: is "auto"', 'gradient_clipping: is "auto"')),
     "huggingface__transformers__tests__deepspeed__ds_config_zero3.json": (
-        "not_implemented", ("zero_optimization.stage=3", "offload_optimizer.device=cpu",
+        "not_implemented", ("offload_optimizer.device=cpu",
                             "fp16.enabled=true")),
     "lm-sys__FastChat__playground__deepspeed_config_s3.json": (
-        "not_implemented", ("zero_optimization.stage=3", "offload_param.device=cpu")),
+        "not_implemented", ("offload_param.device=cpu")),
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__curriculum_learning__ds_zero_stage_2_config_curriculum_fixed_linear.json": (
         "config_error", ("line 34", "'CONFIG_CL_MIN'", "placeholder")),
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json": (
@@ -77,7 +77,7 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "microsoft__Megatron-DeepSpeed__examples__ds_config.json": (
         "not_implemented", ("offload_optimizer.device=cpu", "offload_param.device=cpu")),
     "microsoft__Megatron-DeepSpeed__examples_deepspeed__sequence_parallel__ds_config_gbs16_mbs1_log1_zero3.json": (
-        "not_implemented", ("zero_optimization.stage=3", "fp16.enabled=true")),
+        "not_implemented", ("fp16.enabled=true")),
 }
 
 

@@ -73,7 +73,7 @@ def test_a_peer_that_exits_is_reported_within_a_second():
         run_distributed(_peer_exits, 2, timeout=60, comm_timeout=30)
     message = str(info.value)
     assert "rank 1 exited with code 5" in message
-    assert "rank(s) [1] exited during a shared-memory all-reduce" in message
+    assert "rank(s) [1] exited during a shared-memory all_reduce(sum) of gradients" in message
     seconds = float(message.split("RuntimeError: after ")[1].split(" s:")[0])
     assert seconds < 3  # noticed through the process id, long before the 30 s timeout
 
@@ -93,3 +93,25 @@ def test_bf16_sums_are_accumulated_in_fp32():
         one_by_one += torch.tensor(2.0**-8, dtype=torch.bfloat16)  # each add rounds back to 1
     assert float(one_by_one) == 1.0
     assert run_distributed(_bf16_sum, 4) == [exact] * 4
+
+
+def _different_collectives() -> None:
+    comm = Communicator()
+    try:
+        if comm.rank == 0:
+            comm.all_gather_into(torch.zeros(8), torch.zeros(4), purpose="parameters", label="a")
+        else:
+            comm.all_gather_into(torch.zeros(8), torch.zeros(4), purpose="parameters", label="b")
+    except CollectiveError as err:
+        raise RuntimeError(str(err)) from None
+
+
+def test_ranks_in_different_collectives_fail_at_once_naming_both():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_different_collectives, 2, timeout=60, comm_timeout=30)
+    message = str(info.value)
+    for rank in (0, 1):  # each rank raised, and says what every rank was doing
+        assert f"--- rank {rank} output ---" in message
+    assert message.count("entered different collectives") == 2
+    assert "rank 0: all_gather of parameters [a] ((8,) float32, 32 bytes)" in message
+    assert "rank 1: all_gather of parameters [b] ((8,) float32, 32 bytes)" in message

@@ -94,7 +94,8 @@ def run_training(engine: zerotrain.Engine, spec: RunSpec, model: torch.nn.Module
             total += engine.backward(engine(x, y)).item()
             engine.step()
         losses.append(engine.comm.all_reduce_floats([total])[0] / (world * spec.grad_accum))
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with zerotrain.zero.GatheredParameters(model.parameters()):  # whole at stage 3
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"losses": losses, "params": params, "lr": engine.get_lr()}
 
 

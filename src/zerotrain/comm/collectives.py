@@ -73,6 +73,16 @@ class Handle:
             self._on_done()
 
 
+def _signature(op: str, purpose: str, payload: torch.Tensor, label: str | None) -> str:
+    """What a collective carries, identical on every rank that issues the matching call."""
+    nbytes = payload.numel() * payload.element_size()
+    about = f" [{label}]" if label else ""
+    return (
+        f"{op} of {purpose}{about} ({tuple(payload.shape)} "
+        f"{str(payload.dtype).removeprefix('torch.')}, {nbytes} bytes)"
+    )
+
+
 def _failure_message(what: str, exc: BaseException) -> str:
     return (
         f"{what} failed: {exc}. Another rank probably exited, or the ranks issued different "
@@ -186,15 +196,12 @@ class Communicator:
         call: Callable[[], dist.Work | Sequence[dist.Work] | None],
         async_op: bool,
         on_done: Callable[[], None] | None = None,
+        label: str | None = None,
     ) -> Handle:
         nbytes = payload.numel() * payload.element_size()
 
         def describe() -> str:
-            return (
-                f"rank {self.rank}: {op} of {purpose} ({tuple(payload.shape)} "
-                f"{str(payload.dtype).removeprefix('torch.')}, {nbytes} bytes, "
-                f"world size {self.world_size})"
-            )
+            return f"rank {self.rank}: {_signature(op, purpose, payload, label)}"
 
         self.stats.record(op, purpose, nbytes)
         try:
@@ -216,21 +223,25 @@ class Communicator:
         op: str = "sum",
         async_op: bool = False,
         on_done: Callable[[], None] | None = None,
+        label: str | None = None,
     ) -> Handle:
         """Reduce ``tensor`` in place across ranks (``op``: sum, max or min).
 
-        ``on_done`` runs (on the waiting thread) once the result is in ``tensor``.
+        ``on_done`` runs (on the waiting thread) once the result is in ``tensor``; ``label``
+        names what the tensor belongs to in error messages.
         """
         reduce_op = _REDUCE_OPS[op]
         shared = self._shared(tensor)
         if shared is not None:
+            signature = _signature(f"all_reduce({op})", purpose, tensor, label)
             return self._run(
                 "all_reduce",
                 purpose,
                 tensor,
-                lambda: shared.all_reduce(tensor, op),
+                lambda: shared.all_reduce(tensor, op, signature),
                 async_op,
                 on_done,
+                label,
             )
         return self._run(
             "all_reduce",
@@ -239,6 +250,7 @@ class Communicator:
             lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
             async_op,
             on_done,
+            label,
         )
 
     def reduce_scatter(
@@ -249,6 +261,7 @@ class Communicator:
         purpose: str,
         async_op: bool = False,
         on_done: Callable[[], None] | None = None,
+        label: str | None = None,
     ) -> Handle:
         """Sum ``full`` across ranks; rank r receives chunk r into ``output``.
 
@@ -263,13 +276,15 @@ class Communicator:
         )
         shared = self._shared(output, full)
         if shared is not None:
+            signature = _signature("reduce_scatter", purpose, full, label)
             return self._run(
                 "reduce_scatter",
                 purpose,
                 full,
-                lambda: shared.reduce_scatter(output, full),
+                lambda: shared.reduce_scatter(output, full, signature),
                 async_op,
                 on_done,
+                label,
             )
         if self.backend != "gloo":
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -280,6 +295,7 @@ class Communicator:
                 lambda: fn(output, full, group=self.group, async_op=True),
                 async_op,
                 on_done,
+                label,
             )
         # gloo's reduce-scatter is slower than its all-reduce; one reduce per chunk, each to
         # the rank that owns it, moves the same bytes and runs about twice as fast.
@@ -302,6 +318,7 @@ class Communicator:
             ],
             async_op,
             finish,
+            label,
         )
 
     def all_gather_into(
@@ -312,6 +329,7 @@ class Communicator:
         purpose: str,
         async_op: bool = False,
         on_done: Callable[[], None] | None = None,
+        label: str | None = None,
     ) -> Handle:
         """Concatenate every rank's ``shard`` into ``output`` (rank order); ``shard`` may be
         this rank's chunk of ``output`` itself (in place)."""
@@ -322,13 +340,15 @@ class Communicator:
         )
         shared = self._shared(output, shard)
         if shared is not None:
+            signature = _signature("all_gather", purpose, output, label)
             return self._run(
                 "all_gather",
                 purpose,
                 output,
-                lambda: shared.all_gather(output, shard),
+                lambda: shared.all_gather(output, shard, signature),
                 async_op,
                 on_done,
+                label,
             )
         if self.backend != "gloo":
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -339,6 +359,7 @@ class Communicator:
                 lambda: fn(output, shard, group=self.group, async_op=True),
                 async_op,
                 on_done,
+                label,
             )
         # gloo's all-gather is slower than a broadcast of each rank's chunk (same bytes).
         chunks = output.view(self.world_size, -1)
@@ -354,6 +375,7 @@ class Communicator:
             ],
             async_op,
             on_done,
+            label,
         )
 
     def _global(self, rank: int) -> int:
@@ -366,8 +388,13 @@ class Communicator:
         """Copy rank ``src``'s ``tensor`` to every rank (``src`` is a rank in this group)."""
         shared = self._shared(tensor)
         if shared is not None:
+            signature = _signature(f"broadcast(from {src})", purpose, tensor, None)
             return self._run(
-                "broadcast", purpose, tensor, lambda: shared.broadcast(tensor, src), async_op
+                "broadcast",
+                purpose,
+                tensor,
+                lambda: shared.broadcast(tensor, src, signature),
+                async_op,
             )
         global_src = self._global(src)
         return self._run(
@@ -396,3 +423,12 @@ class Communicator:
                 dist.barrier(group=self.group)
         except Exception as exc:
             raise CollectiveError(_failure_message(f"rank {self.rank}: barrier", exc)) from exc
+
+
+def broadcast_without_engine(tensors: Sequence[torch.Tensor], src: int) -> None:
+    """Copy rank ``src``'s ``tensors`` to every rank of the default group (a no-op without
+    one), for callers that have no :class:`Communicator`."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor, src=src)

@@ -13,7 +13,7 @@ from zerotrain.config import optim_params
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.types import LooseSection
 
-IMPLEMENTED_STAGES: tuple[int, ...] = (0, 1, 2)
+IMPLEMENTED_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 # Loose sections and the rule that says they are switched on.
 _LOOSE_ENABLED_BY_FLAG = (
@@ -47,6 +47,7 @@ _ZERO_KEYS_FROM_STAGE = MappingProxyType(
         "stage3_max_live_parameters": 3,
         "stage3_max_reuse_distance": 3,
         "stage3_gather_16bit_weights_on_model_save": 3,
+        "stage3_unit_classes": 3,
         "memory_efficient_linear": 3,
     }
 )
@@ -66,6 +67,10 @@ _ZERO_KEYS_ZEROTRAIN_DECIDES = MappingProxyType(
         "ignore_unused_parameters": "parameters without a gradient are always handled "
         "(left untouched, as in plain PyTorch)",
         "elastic_checkpoint": "checkpoints will not depend on the world size",
+        "stage3_max_reuse_distance": "a unit is freed after each use and gathered again "
+        "when needed (prefetched from the previous pass's order)",
+        "sub_group_size": "each unit's slice is stepped as one tensor per optimizer group",
+        "memory_efficient_linear": "zerotrain does not replace the model's linear layers",
     }
 )
 

@@ -51,6 +51,19 @@ class GradReducePolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class Stage3Policy:
+    """Stage-3 gathering (DeepSpeed's ``stage3_*`` keys), sizes in elements.
+
+    ``unit_classes``: class names whose modules become units (None: the repeated blocks).
+    """
+
+    prefetch_numel: int
+    persistence_threshold: int
+    max_live_numel: int
+    unit_classes: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TrainingPolicy:
     """Step-level settings the engine reads."""
 
@@ -68,6 +81,7 @@ class Policies:
 
     training: TrainingPolicy
     grad_reduce: GradReducePolicy
+    stage3: Stage3Policy
     optimizer: OptimizerSpec | None
     scheduler: SchedulerSpec | None
 
@@ -107,6 +121,12 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         pre_divide=pre,
         post_divide=post,
     )
+    stage3 = Stage3Policy(
+        prefetch_numel=zero.stage3_prefetch_bucket_size,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        max_live_numel=zero.stage3_max_live_parameters,
+        unit_classes=tuple(zero.stage3_unit_classes) if zero.stage3_unit_classes else None,
+    )
     training = TrainingPolicy(
         batch=batch,
         stage=zero.stage,
@@ -120,4 +140,4 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         optimizer = OptimizerSpec(*_spec("optimizer", cfg.optimizer.type, cfg.optimizer.params))
     if cfg.scheduler is not None:
         scheduler = SchedulerSpec(*_spec("scheduler", cfg.scheduler.type, cfg.scheduler.params))
-    return Policies(training, grad_reduce, optimizer, scheduler)
+    return Policies(training, grad_reduce, stage3, optimizer, scheduler)

@@ -130,6 +130,9 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: NonNegativeInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegativeInt = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: Bool = False
+    # zerotrain: class names of the modules that become stage-3 units (default: the
+    # repeated blocks, e.g. the layers of a transformer).
+    stage3_unit_classes: list[str] | None = None
     elastic_checkpoint: Bool = False
     round_robin_gradients: Bool = False
     ignore_unused_parameters: Bool = True

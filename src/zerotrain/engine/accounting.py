@@ -21,7 +21,8 @@ class MemoryBreakdown:
         master_weights: fp32 copies kept for the optimizer (mixed precision only).
         optimizer_states: optimizer state tensors (moments, momentum buffers).
         buffers: module buffers (e.g. normalisation statistics).
-        gathered: parameters gathered temporarily from other ranks (stage 3).
+        gathered: the gathered working set (stage 3): the most bytes of whole unit buffers
+            held at once so far, persistent units included.
     """
 
     params: int

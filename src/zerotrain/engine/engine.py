@@ -219,6 +219,7 @@ class Engine(nn.Module):
             master_weights=0,
             optimizer_states=optimizer_state_bytes(self.optimizer),
             buffers=buffer_bytes(self.module),
+            gathered=self.strategy.gathered_bytes()[1],
         )
 
     # -- not yet available ----------------------------------------------------------------------

@@ -29,8 +29,9 @@ from zerotrain.engine.engine import Engine
 from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.utils.logging import get_logger
+from zerotrain.zero.init import deferred_values, materialize
 from zerotrain.zero.policy import ZeroPolicy
-from zerotrain.zero.strategy import ZeroStrategy
+from zerotrain.zero.strategy import Stage3Options, ZeroStrategy
 
 log = get_logger(__name__)
 
@@ -137,12 +138,22 @@ def initialize(
     for note in (*cfg.auto_notes, *inert_keys(cfg)):
         log.info("config: %s", note)
 
-    model.to(env.device)
+    zero = ZeroPolicy.for_stage(policies.training.stage)
+    values = deferred_values(model)
+    if values is not None and not zero.shard_parameters:
+        materialize(model)  # built by zero.Init, trained at a stage that keeps it whole
+        values = None
+    if values is None:
+        model.to(env.device)
+    else:
+        for buffer in model.buffers():
+            buffer.data = buffer.data.to(env.device)
     _check_not_wrapped(model)
     _check_same_model(comm, model)
     with torch.no_grad():
-        state = [p.data for p in model.parameters()] + list(model.buffers())
-        broadcast_tensors(comm, state, _INIT_BUCKET_NUMEL, src=0)
+        # A model from zero.Init needs no broadcast: every rank replays rank 0's recipe.
+        params = [p.data for p in model.parameters()] if values is None else []
+        broadcast_tensors(comm, params + list(model.buffers()), _INIT_BUCKET_NUMEL, src=0)
 
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator must be read only once
@@ -153,7 +164,6 @@ def initialize(
             )
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     groups = resolve_param_groups(model, model_parameters, user_optimizer)
-    zero = ZeroPolicy.for_stage(policies.training.stage)
     strategy = ZeroStrategy(
         groups.trainable,
         len(list(model.parameters())),
@@ -161,6 +171,7 @@ def initialize(
         comm,
         zero,
         policies.grad_reduce,
+        Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
     )
     opt = make_optimizer(optimizer, policies.optimizer, strategy, groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)

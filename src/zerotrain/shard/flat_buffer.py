@@ -58,6 +58,10 @@ class FlatParamBuffer:
         spec = self.layout.params[index]
         return flat[spec.start : spec.end].view(spec.shape)
 
+    def owned_slice(self, a: int, b: int) -> torch.Tensor:
+        """Parameter values of ``[a, b)`` of the buffer."""
+        return self.data[a:b]
+
     def release(self) -> None:
         """Give every parameter its own storage again (the buffer is no longer used)."""
         with torch.no_grad():

@@ -4,7 +4,7 @@
   view into it, so autograd accumulates micro-steps in place with no copies. At the
   accumulation boundary the buffer is all-reduced (stage 0) or reduce-scattered in place into
   this rank's slice (stage 1).
-* ``ShardedGradients`` (stage 2): only this rank's slice is kept. On every micro-step the
+* ``ShardedGradients`` (stages 2 and 3): only this rank's slice is kept. On every micro-step the
   gradients are copied into a staging buffer as autograd produces them (and ``param.grad``
   is freed), reduce-scattered, and added into the slice.
 
@@ -20,6 +20,7 @@ import torch
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
+from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
 
@@ -66,7 +67,11 @@ class FullGradients:
         param.grad = view
 
     def reduce(
-        self, comm: Communicator, policy: GradReducePolicy, on_done: Callable[[], None]
+        self,
+        comm: Communicator,
+        policy: GradReducePolicy,
+        on_done: Callable[[], None],
+        label: str | None = None,
     ) -> Handle:
         """Start averaging the buffer across ranks; ``shard`` holds the result when done."""
         if policy.pre_divide != 1.0:
@@ -80,9 +85,16 @@ class FullGradients:
         if self.sharded:
             # In place: this rank's slice of the input is the output.
             return comm.reduce_scatter(
-                self.shard, self.flat, purpose="gradients", async_op=True, on_done=finish
+                self.shard,
+                self.flat,
+                purpose="gradients",
+                async_op=True,
+                on_done=finish,
+                label=label,
             )
-        return comm.all_reduce(self.flat, purpose="gradients", async_op=True, on_done=finish)
+        return comm.all_reduce(
+            self.flat, purpose="gradients", async_op=True, on_done=finish, label=label
+        )
 
     def zero(self) -> None:
         """Start a new accumulation window."""
@@ -99,7 +111,7 @@ class FullGradients:
 
 
 class ShardedGradients:
-    """Only this rank's slice of the gradient is kept (stage 2).
+    """Only this rank's slice of the gradient is kept (stages 2-3).
 
     Args:
         buffer: the unit's parameters.
@@ -107,7 +119,12 @@ class ShardedGradients:
         pool: where staging buffers come from (sized for the largest unit).
     """
 
-    def __init__(self, buffer: FlatParamBuffer, owned: tuple[int, int], pool: StagingPool):
+    def __init__(
+        self,
+        buffer: FlatParamBuffer | PartitionedParams,
+        owned: tuple[int, int],
+        pool: StagingPool,
+    ) -> None:
         self.buffer = buffer
         self.owned = owned
         self.pool = pool
@@ -157,6 +174,7 @@ class ShardedGradients:
         policy: GradReducePolicy,
         on_done: Callable[[], None],
         staging: StagingProvider,
+        label: str | None = None,
     ) -> Handle:
         """Reduce-scatter this micro-step's staged gradients and add them to ``shard``."""
         pooled, full = self._stage(staging)
@@ -178,7 +196,9 @@ class ShardedGradients:
             self.pool.release(pooled)
             on_done()
 
-        return comm.reduce_scatter(out, full, purpose="gradients", async_op=True, on_done=finish)
+        return comm.reduce_scatter(
+            out, full, purpose="gradients", async_op=True, on_done=finish, label=label
+        )
 
     def zero(self) -> None:
         """Start a new accumulation window."""

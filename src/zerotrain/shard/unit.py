@@ -2,9 +2,10 @@
 
 The same class serves every ZeRO stage; the ``ZeroPolicy`` decides what is partitioned:
 stage 0 keeps everything whole, stage 1 steps only this rank's slice (gradients
-reduce-scattered into it), stage 2 additionally keeps only that slice of the gradient. After
-an optimizer step, stages 1-2 all-gather the updated slices so every rank again holds the
-whole parameters.
+reduce-scattered into it), stage 2 additionally keeps only that slice of the gradient, and
+stage 3 also keeps only that slice of the parameters (``PartitionedParams``: gathered around
+each use by ``zero/gather.py``). After an optimizer step, stages 1-2 all-gather the updated
+slices so every rank again holds the whole parameters; stage 3 keeps them sharded.
 
 The unit owns the mechanics (which collective, which slice); *when* its methods run is
 decided by ``zero/grad_sync.py`` and ``zero/strategy.py``. Gradient states move through a
@@ -25,6 +26,7 @@ from zerotrain.config.policies import GradReducePolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.grads import FullGradients, ShardedGradients, StagingProvider
 from zerotrain.shard.layout import FlatLayout
+from zerotrain.shard.partitioned import PartitionedParams, ValueSource
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
 from zerotrain.zero.policy import ZeroPolicy
@@ -65,7 +67,11 @@ class ShardedUnit:
         comm: collectives over the data-parallel group.
         zero: what is partitioned.
         reduce: how gradients are averaged.
-        staging: the staging pool (stage 2 only).
+        staging: the staging pool (stages 2-3).
+        trainable: whether each parameter receives gradients (stage 3 units also hold frozen
+            parameters, which are partitioned and gathered like the rest); default: all.
+        label: names the unit in messages (stage 3: the module it wraps).
+        values: the full value of each parameter when they are not materialised (stage 3).
     """
 
     def __init__(
@@ -79,20 +85,29 @@ class ShardedUnit:
         zero: ZeroPolicy,
         reduce: GradReducePolicy,
         staging: StagingPool | None = None,
+        trainable: Sequence[bool] | None = None,
+        label: str | None = None,
+        values: ValueSource | None = None,
     ) -> None:
         sharded = zero.shard_optimizer
         invariant(
             layout.world_size == (comm.world_size if sharded else 1),
             "layout world size does not match the policy",
         )
-        invariant(not zero.shard_parameters, "stage 3 units are not implemented")
         self.index = index
         self.comm = comm
         self.zero = zero
         self.reduce_policy = reduce
-        self.buffer = FlatParamBuffer(layout, params)
+        self.label = label or f"unit {index}"
+        self.buffer: FlatParamBuffer | PartitionedParams
+        if zero.shard_parameters:
+            self.buffer = PartitionedParams(layout, params, comm.rank, comm.device, values)
+        else:
+            self.buffer = FlatParamBuffer(layout, params)
+        self.persistent = False  # stage 3: stays gathered (set by the gatherer)
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
+        self.trainable = tuple(trainable) if trainable is not None else (True,) * len(params)
         self.pool = staging
         self.owned = layout.shard_range(comm.rank) if sharded else (0, layout.padded_numel)
         self.grads: FullGradients | ShardedGradients
@@ -100,7 +115,8 @@ class ShardedUnit:
             invariant(staging is not None, "stage 2 needs a staging pool")
             self.grads = ShardedGradients(self.buffer, self.owned, staging)  # type: ignore[arg-type]
         else:
-            self.grads = FullGradients(self.buffer, self.owned, sharded)
+            invariant(isinstance(self.buffer, FlatParamBuffer), "stage 3 keeps no full gradient")
+            self.grads = FullGradients(self.buffer, self.owned, sharded)  # type: ignore[arg-type]
         self.state = GradState.ACCUMULATING
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
@@ -108,7 +124,7 @@ class ShardedUnit:
     def __repr__(self) -> str:
         names = ", ".join(s.fqn for s in self.buffer.layout.params[:3])
         more = "" if len(self.buffer.params) <= 3 else f", +{len(self.buffer.params) - 3}"
-        return f"ShardedUnit({self.index}: {names}{more}; {self.state.value})"
+        return f"ShardedUnit({self.index} {self.label}: {names}{more}; {self.state.value})"
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -139,7 +155,7 @@ class ShardedUnit:
                     for k, s in enumerate(specs[start:end], start=start)
                     if max(a, s.start) < min(b, s.end)
                 )
-                param = self.buffer.data[a:b]
+                param = self.buffer.owned_slice(a, b)
                 grad = self.grads.shard[a - lo : b - lo]
                 param.grad = grad
                 pieces.append(OptimizerPiece(group, param, grad, segments, a))
@@ -173,8 +189,8 @@ class ShardedUnit:
             self.state = GradState.REDUCED if final else GradState.ACCUMULATING
 
         if isinstance(self.grads, ShardedGradients):
-            return self.grads.reduce(self.comm, self.reduce_policy, on_done, staging)
-        return self.grads.reduce(self.comm, self.reduce_policy, on_done)
+            return self.grads.reduce(self.comm, self.reduce_policy, on_done, staging, self.label)
+        return self.grads.reduce(self.comm, self.reduce_policy, on_done, self.label)
 
     # -- optimizer step -------------------------------------------------------------------------
 
@@ -199,12 +215,19 @@ class ShardedUnit:
         self.state = GradState.ACCUMULATING
 
     def gather(self) -> Handle | None:
-        """Stages 1-2: all-gather the updated slices so every rank holds whole parameters."""
+        """After an optimizer step: all-gather the updated slices so every rank holds whole
+        parameters (stages 1-2, and stage-3 units that stay gathered)."""
+        if isinstance(self.buffer, PartitionedParams):
+            if self.persistent and self.buffer.full is not None:
+                return self.buffer.refresh(self.comm, self.label)
+            return None
         if not self.zero.shard_optimizer:
             return None
         lo, hi = self.owned
         data = self.buffer.data
-        return self.comm.all_gather_into(data, data[lo:hi], purpose="parameters", async_op=True)
+        return self.comm.all_gather_into(
+            data, data[lo:hi], purpose="parameters", async_op=True, label=self.label
+        )
 
     def reset(self) -> None:
         """Forget a failed backward pass: no reduction pending, gradients zeroed."""

@@ -1,1 +1,5 @@
-"""The ZeRO strategy: what is partitioned (the stage) and when gradients are reduced."""
+"""ZeRO partitioning; the public stage-3 tools are ``Init`` and ``GatheredParameters``."""
+
+from zerotrain.zero.gathered import GatheredParameters
+
+__all__ = ["GatheredParameters"]

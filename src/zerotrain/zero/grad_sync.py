@@ -12,7 +12,7 @@ On the other micro-steps the hooks only keep gradients where the unit expects th
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -33,13 +33,22 @@ class GradientSynchronizer:
         units: in reduction order (as ``build_units`` returns them).
         overlap: let reductions run while backward continues (True), or wait for each one
             as it is launched (False: no overlap, but at most one unit's gradient staged).
-        every_micro_step: reduce on every micro-step, not only at the boundary (stage 2).
+        every_micro_step: reduce on every micro-step, not only at the boundary (stages 2-3).
+        on_complete: called with a unit's index once every trainable parameter of it got its
+            gradient in this backward pass (stage 3 frees the unit's parameters then).
     """
 
-    def __init__(self, units: Sequence[ShardedUnit], overlap: bool, every_micro_step: bool) -> None:
+    def __init__(
+        self,
+        units: Sequence[ShardedUnit],
+        overlap: bool,
+        every_micro_step: bool,
+        on_complete: Callable[[int], None] | None = None,
+    ) -> None:
         self.units = list(units)
         self.overlap = overlap
         self.every_micro_step = every_micro_step
+        self.on_complete = on_complete
         self._remaining = [0] * len(self.units)
         self._ready: list[set[int]] = [set() for _ in self.units]
         self._next = 0
@@ -49,8 +58,9 @@ class GradientSynchronizer:
         self._hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
-                hook = functools.partial(self._on_grad, u, i)
-                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                if unit.trainable[i]:
+                    hook = functools.partial(self._on_grad, u, i)
+                    self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def begin_backward(self, boundary: bool) -> None:
         """Arm the hooks for one backward pass (``boundary``: last micro-step of a window)."""
@@ -59,7 +69,7 @@ class GradientSynchronizer:
         self._syncing = boundary or self.every_micro_step
         self._next = 0
         for u, unit in enumerate(self.units):
-            self._remaining[u] = len(unit.buffer.params)
+            self._remaining[u] = sum(unit.trainable)
             self._ready[u].clear()
 
     def _on_grad(self, u: int, i: int, _param: torch.Tensor) -> None:
@@ -76,6 +86,8 @@ class GradientSynchronizer:
             return
         self._ready[u].add(i)
         self._remaining[u] -= 1
+        if self._remaining[u] == 0 and self.on_complete is not None:
+            self.on_complete(u)
         while self._next < len(self.units) and self._remaining[self._next] == 0:
             self._launch_next()
 

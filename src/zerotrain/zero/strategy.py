@@ -3,7 +3,10 @@ around each optimizer step (clipping over shards, parameters that got no gradien
 re-gathering updated parameters).
 
 One implementation for every stage: ``ZeroPolicy`` decides what the units partition, and
-the rest of this module is the same code for stages 0, 1 and 2.
+the rest of this module is the same code for stages 0 to 3. Stage 3 adds a
+``ParamGatherer``, which gathers each unit around its use; at every accumulation boundary
+the ranks compare what they gathered (riding on the exchange of used-parameter flags), so
+ranks that took different code paths fail with an error naming the unit.
 """
 
 from __future__ import annotations
@@ -12,17 +15,35 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from zerotrain.comm.collectives import Communicator, Handle
-from zerotrain.config.policies import GradReducePolicy
+from zerotrain.config.policies import GradReducePolicy, Stage3Policy
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
+from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.policy import ZeroPolicy
-from zerotrain.zero.units import TrainableParam, build_units
+from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
+
+
+class DivergedRanksError(RuntimeError):
+    """Ranks gathered different stage-3 units in one step (they took different code paths)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stage3Options:
+    """What stage 3 needs beyond the other stages: the model, how to split it, the gather
+    knobs, and (for models built by ``zerotrain.zero.Init``) where parameter values come
+    from."""
+
+    model: nn.Module
+    policy: Stage3Policy
+    values: ValueLookup | None = None
 
 
 class ZeroStrategy:
@@ -35,6 +56,7 @@ class ZeroStrategy:
         comm: collectives over the data-parallel group.
         zero: what is partitioned.
         reduce: how gradients are averaged.
+        stage3: the model and gather settings (required at stage 3).
     """
 
     def __init__(
@@ -45,6 +67,7 @@ class ZeroStrategy:
         comm: Communicator,
         zero: ZeroPolicy,
         reduce: GradReducePolicy,
+        stage3: Stage3Options | None = None,
     ) -> None:
         self.comm = comm
         self.zero = zero
@@ -53,14 +76,37 @@ class ZeroStrategy:
             # On CPUs every core already computes, so a reduction running beside backward
             # only competes with it; waiting for each as it is launched is faster there.
             reduce = dataclasses.replace(reduce, overlap=comm.device.type == "cuda")
-        self.units, self.pools = build_units(trainable, bucket_numel, comm, zero, reduce)
+        self.gatherer: ParamGatherer | None = None
+        if zero.shard_parameters:
+            invariant(stage3 is not None, "stage 3 needs the model")
+            assert stage3 is not None
+            self.units, self.pools, modules = build_module_units(
+                stage3.model,
+                trainable,
+                stage3.policy.unit_classes,
+                comm,
+                zero,
+                reduce,
+                stage3.values,
+            )
+            self.gatherer = ParamGatherer(self.units, modules, stage3.model, comm, stage3.policy)
+        else:
+            self.units, self.pools = build_units(trainable, bucket_numel, comm, zero, reduce)
         self.sync = GradientSynchronizer(
-            self.units, overlap=bool(reduce.overlap), every_micro_step=zero.shard_gradients
+            self.units,
+            overlap=bool(reduce.overlap),
+            every_micro_step=zero.shard_gradients,
+            on_complete=self._unit_complete if self.gatherer is not None else None,
         )
         self._boundary = False
         self._used: tuple[torch.Tensor, Handle] | None = None
         self._trainable_ids = torch.tensor(
-            [pid for unit in self.units for pid in unit.param_ids],
+            [
+                pid
+                for unit in self.units
+                for pid, trains in zip(unit.param_ids, unit.trainable, strict=True)
+                if trains
+            ],
             dtype=torch.long,
             device=comm.device,
         )
@@ -72,9 +118,17 @@ class ZeroStrategy:
         self._boundary = boundary
         self.sync.begin_backward(boundary)
 
+    def _unit_complete(self, u: int) -> None:
+        # Every gradient of the unit is accumulated, so autograd is done with its parameters.
+        # A frozen parameter gives no such signal: units holding one wait for the end.
+        if all(self.units[u].trainable) and self.gatherer is not None:
+            self.gatherer.free(u)
+
     def end_backward(self) -> None:
         """After autograd finished: every reduction of this micro-step is complete."""
         self.sync.launch_remaining()
+        if self.gatherer is not None:
+            self.gatherer.free_all()
         if self._boundary:
             # Which parameters got a gradient is known now; exchanging it here runs behind
             # the gradient reductions instead of adding a round trip to the step.
@@ -83,7 +137,11 @@ class ZeroStrategy:
 
     def abort_backward(self) -> None:
         """After autograd raised: discard the current window's gradients."""
-        self.sync.abort()
+        try:
+            self.sync.abort()
+        finally:
+            if self.gatherer is not None:
+                self.gatherer.free_all()
 
     def zero_grads(self) -> None:
         """Zero every gradient in place (reduction state is kept)."""
@@ -110,13 +168,40 @@ class ZeroStrategy:
     def _exchange_used(self) -> tuple[torch.Tensor, Handle]:
         """Start an all-reduce of which parameters got a gradient in this window."""
         # 1 = used; parameters outside the units (frozen) count as used, so that the common
-        # case (everything used) is recognised with one check.
-        flags = torch.ones(self.num_params, dtype=torch.float32, device=self.comm.device)
+        # case (everything used) is recognised with one check. At stage 3 the gather
+        # fingerprint rides along, as (v, -v): one max-reduction yields its max and min.
+        flags = torch.ones(self.num_params, dtype=torch.float64, device=self.comm.device)
         flags[self._trainable_ids] = 0.0
         ids = [unit.param_ids[i] for unit in self.units for i in unit.received]
         if ids:
             flags[torch.tensor(ids, device=flags.device)] = 1.0
+        if self.gatherer is not None:
+            prints = torch.tensor(self.gatherer.fingerprint(), dtype=torch.float64)
+            self.gatherer.reset_fingerprint()
+            flags = torch.cat([flags, prints.to(flags.device), -prints.to(flags.device)])
         return flags, self.comm.all_reduce(flags, purpose="control", op="max", async_op=True)
+
+    def _check_same_gathers(self, tail: torch.Tensor) -> None:
+        """Raise on every rank if the ranks gathered different units in this window."""
+        n = tail.numel() // 2
+        high, low = tail[:n].tolist(), [-v for v in tail[n:].tolist()]
+        if high == low:
+            return
+        differing = [
+            f"'{unit.label}' gathered between {int(low[u])} and {int(high[u])} times"
+            for u, unit in enumerate(self.units)
+            if high[u] != low[u]
+        ]
+        what = (
+            "; ".join(differing)
+            if differing
+            else "every unit was gathered equally often, but in a different order"
+        )
+        raise DivergedRanksError(
+            f"rank {self.comm.rank}: the ranks ran different forward/backward passes in this "
+            f"step (stage 3 gathers each unit collectively, so every rank must run the same "
+            f"modules the same number of times): {what} per rank"
+        )
 
     def _unused(self) -> list[tuple[ShardedUnit, int]]:
         """Parameters that got no gradient on any rank in this window."""
@@ -124,6 +209,9 @@ class ZeroStrategy:
         flags, handle = self._used  # type: ignore[misc]
         self._used = None
         handle.wait()
+        if self.gatherer is not None:
+            self._check_same_gathers(flags[self.num_params :])
+            flags = flags[: self.num_params]
         if bool(flags.all()):
             return []
         used = set(flags.nonzero().view(-1).tolist())
@@ -215,8 +303,14 @@ class ZeroStrategy:
     # -- accounting -----------------------------------------------------------------------------
 
     def param_bytes(self) -> int:
-        """Bytes of the flat parameter buffers on this rank."""
+        """Bytes of the parameters this rank keeps (its slices at stage 3)."""
         return sum(u.buffer.nbytes for u in self.units)
+
+    def gathered_bytes(self) -> tuple[int, int]:
+        """Stage 3: bytes of parameters gathered now, and the most gathered at once."""
+        if self.gatherer is None:
+            return 0, 0
+        return self.gatherer.live_bytes, self.gatherer.peak_bytes
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage on this rank (staging buffers included)."""
@@ -227,7 +321,12 @@ class ZeroStrategy:
         return {id(p) for unit in self.units for p in unit.buffer.params}
 
     def remove(self) -> None:
-        """Detach hooks and give parameters their own storage back."""
+        """Detach hooks and give parameters their own storage back (collective at stage 3,
+        where every unit is gathered one last time)."""
         self.sync.remove()
+        if self.gatherer is not None:
+            self.gatherer.remove()
+            for u in range(len(self.units)):
+                self.gatherer.fetch(u)
         for unit in self.units:
             unit.buffer.release()

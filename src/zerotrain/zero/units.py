@@ -1,4 +1,5 @@
-"""Splitting a model's trainable parameters into units (stages 0-2: buckets of the model).
+"""Splitting a model's parameters into units: stages 0-2 bucket the trainable parameters;
+stage 3 makes one unit per block of the model (``build_module_units``).
 
 Gradients become ready roughly in reverse order of parameter registration (the last layer's
 first), so parameters are bucketed in that order: the first unit fills early in backward and
@@ -9,7 +10,8 @@ the optimizer steps it as one tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,11 @@ from zerotrain.config.policies import GradReducePolicy
 from zerotrain.shard.layout import FlatLayout
 from zerotrain.shard.staging import StagingPool
 from zerotrain.shard.unit import ShardedUnit
+from zerotrain.zero.module_units import plan_module_units
 from zerotrain.zero.policy import ZeroPolicy
+
+# The full value of a parameter that holds none yet (built by ``zerotrain.zero.Init``).
+ValueLookup = Callable[[nn.Parameter], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +123,75 @@ def build_units(
         for index, (bucket, layout) in enumerate(zip(buckets, layouts, strict=True))
     ]
     return units, list(pools.values())
+
+
+def build_module_units(
+    model: nn.Module,
+    trainable: Sequence[TrainableParam],
+    unit_classes: Sequence[str] | None,
+    comm: Communicator,
+    zero: ZeroPolicy,
+    reduce: GradReducePolicy,
+    values: ValueLookup | None = None,
+) -> tuple[list[ShardedUnit], list[StagingPool], list[nn.Module]]:
+    """Stage 3: one unit per block of the model plus the root unit (see
+    ``zero/module_units.py``), returned in the order their gradients are reduced (the last
+    block first, the root last), with the staging pools and each unit's module.
+
+    Frozen parameters are partitioned and gathered with their unit but get no gradient.
+    """
+    blocks, root = plan_module_units(model, unit_classes)
+    planned = [*reversed(blocks), *([root] if root is not None else [])]
+    tags = {id(e.param): e for e in trainable}
+    positions = {id(p): k for k, (_, p) in enumerate(model.named_parameters())}
+
+    def order(entry: tuple[str, nn.Parameter]) -> tuple[bool, int, int]:
+        tag = tags.get(id(entry[1]))
+        group = tag.group_index if tag is not None else None
+        return (group is None, group or 0, positions[id(entry[1])])
+
+    units: list[ShardedUnit] = []
+    largest: dict[torch.dtype, int] = {}
+    layouts = []
+    for planned_unit in planned:
+        members = sorted(planned_unit.params, key=order)
+        dtypes = {p.dtype for _, p in members}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"stage 3 gathers each unit as one buffer, but the parameters of "
+                f"'{planned_unit.label}' mix dtypes {sorted(map(str, dtypes))}; cast the "
+                "model to one dtype"
+            )
+        layout = FlatLayout.pack([(n, tuple(p.shape)) for n, p in members], comm.world_size)
+        layouts.append((planned_unit, members, layout))
+        dtype = members[0][1].dtype
+        largest[dtype] = max(largest.get(dtype, 0), layout.padded_numel)
+    # The root unit's early gradients (final norm, head) are staged for the whole backward
+    # pass while the blocks' come and go: two buffers, so the blocks never wait for a third.
+    pools = {d: StagingPool(n, d, comm.device, count=2) for d, n in largest.items()}
+    for index, (planned_unit, members, layout) in enumerate(layouts):
+        source = None
+        if values is not None:
+            params = [p for _, p in members]
+            source = functools.partial(_value_of, values, params)
+        units.append(
+            ShardedUnit(
+                index,
+                layout,
+                [p for _, p in members],
+                [tags[id(p)].group_index if id(p) in tags else None for _, p in members],
+                [positions[id(p)] for _, p in members],
+                comm,
+                zero,
+                reduce,
+                pools[members[0][1].dtype],
+                trainable=[id(p) in tags for _, p in members],
+                label=planned_unit.label,
+                values=source,
+            )
+        )
+    return units, list(pools.values()), [p.module for p, _, _ in layouts]
+
+
+def _value_of(values: ValueLookup, params: Sequence[nn.Parameter], index: int) -> torch.Tensor:
+    return values(params[index])

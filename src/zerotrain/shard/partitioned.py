@@ -1,0 +1,142 @@
+"""Stage-3 parameter storage: this rank's slice of a unit's flat buffer lives permanently;
+the whole buffer exists only while the unit is gathered.
+
+Between uses every parameter of the unit is an empty tensor (shape ``(0,)``), so code that
+touches a parameter of a released unit fails loudly instead of computing with stale values.
+Gathering allocates a fresh buffer each time and never writes into one handed out before:
+autograd may still hold views of an earlier gather (tensors saved for backward), and those
+must keep their values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from zerotrain.comm.collectives import Communicator, Handle
+from zerotrain.shard.layout import FlatLayout
+from zerotrain.utils.invariant import invariant
+
+# The full value of parameter ``i`` of the layout (used when parameters are not materialised,
+# e.g. built by ``zerotrain.zero.Init`` on the meta device).
+ValueSource = Callable[[int], torch.Tensor]
+
+
+class PartitionedParams:
+    """One unit's parameters, partitioned over the ranks of ``layout``.
+
+    Args:
+        layout: packing of the parameters (``world_size`` = the data-parallel world size).
+        params: the parameters, in ``layout`` order, all of one dtype.
+        rank: this rank (it keeps ``layout.shard_range(rank)``).
+        device: where the shard and gathered buffers live.
+        values: the full value of each parameter, when ``params`` hold none (meta tensors);
+            by default each parameter's own data.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: Sequence[nn.Parameter],
+        rank: int,
+        device: torch.device,
+        values: ValueSource | None = None,
+    ) -> None:
+        invariant(len(layout.params) == len(params), "layout and params differ in length")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            found = sorted(map(str, dtypes))
+            raise ValueError(f"parameters of one unit must share a dtype, got {found}")
+        self.layout = layout
+        self.params = tuple(params)
+        self.dtype = params[0].dtype
+        self.device = device
+        self.owned = layout.shard_range(rank)
+        self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=device)
+        self.full: torch.Tensor | None = None
+        self._released = torch.empty(0, dtype=self.dtype, device=device)
+        lo, hi = self.owned
+        with torch.no_grad():
+            for i, spec in enumerate(layout.params):
+                a, b = max(lo, spec.start), min(hi, spec.end)
+                if a >= b:
+                    continue
+                value = values(i) if values is not None else params[i].detach()
+                invariant(tuple(value.shape) == spec.shape, f"{spec.fqn}: shape changed")
+                flat = value.reshape(-1)[a - spec.start : b - spec.start]
+                self.shard[a - lo : b - lo].copy_(flat)
+        self.free()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the permanent storage (this rank's slice)."""
+        return self.shard.numel() * self.shard.element_size()
+
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the whole buffer while gathered, else 0."""
+        return 0 if self.full is None else self.full.numel() * self.full.element_size()
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes the whole buffer takes when gathered."""
+        return self.layout.padded_numel * self.shard.element_size()
+
+    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """The part of a buffer-sized tensor ``flat`` that belongs to ``params[index]``."""
+        spec = self.layout.params[index]
+        return flat[spec.start : spec.end].view(spec.shape)
+
+    def owned_slice(self, a: int, b: int) -> torch.Tensor:
+        """Parameter values of ``[a, b)`` (inside this rank's range) in permanent storage."""
+        lo, hi = self.owned
+        invariant(lo <= a <= b <= hi, "slice outside the owned range")
+        return self.shard[a - lo : b - lo]
+
+    def gather(self, comm: Communicator, label: str) -> Handle:
+        """Start assembling the whole buffer; parameters are views of it from now on (their
+        values are valid once the handle is waited on)."""
+        invariant(self.full is None, "unit gathered twice")
+        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        handle = comm.all_gather_into(
+            full, self.shard, purpose="parameters", async_op=True, label=label
+        )
+        self.full = full
+        for i, param in enumerate(self.params):
+            param.data = self.view(full, i)
+        return handle
+
+    def refresh(self, comm: Communicator, label: str) -> Handle:
+        """All-gather updated slices into the buffer already gathered (persistent units)."""
+        full = self.full
+        invariant(full is not None, "refresh of a unit that is not gathered")
+        assert full is not None
+        lo, hi = self.owned
+        full[lo:hi].copy_(self.shard)
+        return comm.all_gather_into(
+            full, full[lo:hi], purpose="parameters", async_op=True, label=label
+        )
+
+    def scatter_back(self) -> None:
+        """Copy this rank's slice of the gathered buffer into permanent storage (after the
+        whole buffer was changed the same way on every rank)."""
+        invariant(self.full is not None, "unit not gathered")
+        lo, hi = self.owned
+        self.shard.copy_(self.full[lo:hi])  # type: ignore[index]
+
+    def free(self) -> None:
+        """Drop the gathered buffer; parameters become empty until the next gather."""
+        for param in self.params:
+            param.data = self._released
+        self.full = None
+
+    def release(self) -> None:
+        """Give every parameter its own full storage again (the unit must be gathered)."""
+        invariant(self.full is not None, "unit not gathered")
+        with torch.no_grad():
+            for param in self.params:
+                param.data = param.data.clone()
+                param.grad = None
+        self.full = None

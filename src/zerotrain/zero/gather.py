@@ -1,0 +1,237 @@
+"""Stage 3: gathering each unit's parameters around its use and releasing them after.
+
+Forward: a unit is gathered in its module's pre-forward hook and freed by its post-forward
+hook; the units that ran next in the previous forward pass are prefetched (up to
+``prefetch_numel`` elements, never beyond ``max_live_numel`` gathered at once). Backward: the
+post-forward hook registers a hook on the module's outputs that fires as soon as the first
+gradient reaches them, before any of the module's own backward runs; it gathers the unit
+again and prefetches the unit that ran before it. The unit is freed once autograd has
+accumulated every one of its gradients (all uses done), and at the latest at the end of
+backward. Units below the persistence threshold are gathered once and kept.
+
+Every gather is counted per unit and folded into a fingerprint of the sequence; the strategy
+compares fingerprints across ranks at each accumulation boundary, so ranks that gathered
+different units (one skipped a block) fail with an error naming the unit instead of
+exchanging the wrong parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zerotrain.comm.collectives import Communicator, Handle
+from zerotrain.config.policies import Stage3Policy
+from zerotrain.shard.partitioned import PartitionedParams
+from zerotrain.shard.unit import ShardedUnit
+from zerotrain.utils.invariant import invariant
+from zerotrain.zero.gathered import HOME
+
+_HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a module's output (tensors, sequences, mappings, dataclasses)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict) or hasattr(value, "items"):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class ParamGatherer:
+    """Drives gathering and freeing of stage-3 units from module hooks.
+
+    Args:
+        units: every stage-3 unit (indices as in the strategy).
+        modules: the module each unit wraps (same order as ``units``).
+        root: the model; its forward delimits one forward pass.
+        comm: collectives over the data-parallel group.
+        policy: prefetch, persistence and live-memory bounds.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[ShardedUnit],
+        modules: Sequence[nn.Module],
+        root: nn.Module,
+        comm: Communicator,
+        policy: Stage3Policy,
+    ) -> None:
+        self.units = list(units)
+        self.comm = comm
+        self.policy = policy
+        self._storage = [self._partitioned(u) for u in self.units]
+        self._pending: dict[int, Handle] = {}
+        self._trace: list[int] = []  # units in the order the previous forward pass used them
+        self._current: list[int] = []
+        self._in_forward = 0
+        self.counts = [0] * len(self.units)
+        self.sequence_hash = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks: list[RemovableHandle] = []
+        root_unit = next((u for u, m in enumerate(modules) if m is root), None)
+        for u, module in enumerate(modules):
+            if module is root:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre, u)))
+            self._hooks.append(module.register_forward_hook(functools.partial(self._post, u)))
+        pre, post = (functools.partial(f, root_unit) for f in (self._root_pre, self._root_post))
+        self._hooks.append(root.register_forward_pre_hook(pre))
+        self._hooks.append(root.register_forward_hook(post))
+        for u, storage in enumerate(self._storage):
+            for param in storage.params:
+                setattr(param, HOME, (self, u))  # found by GatheredParameters
+        for u, unit in enumerate(self.units):
+            if unit.numel < policy.persistence_threshold:
+                unit.persistent = True
+                self._issue(u, count=False).wait()
+
+    @staticmethod
+    def _partitioned(unit: ShardedUnit) -> PartitionedParams:
+        invariant(isinstance(unit.buffer, PartitionedParams), "stage-3 unit without partitions")
+        return unit.buffer  # type: ignore[return-value]
+
+    # -- gather / free --------------------------------------------------------------------------
+
+    def _issue(self, u: int, count: bool = True) -> Handle:
+        storage = self._storage[u]
+        handle = storage.gather(self.comm, self.units[u].label)
+        self._pending[u] = handle
+        self.live_bytes += storage.full_nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if count:
+            self.counts[u] += 1
+            self.sequence_hash = (self.sequence_hash * 1_000_003 + u + 1) % _HASH_MODULUS
+        return handle
+
+    def fetch(self, u: int) -> None:
+        """Make unit ``u``'s parameters whole (gather unless already gathered)."""
+        if self._storage[u].full is None:
+            self._issue(u)
+        handle = self._pending.pop(u, None)
+        if handle is not None:
+            handle.wait()
+
+    def is_gathered(self, u: int) -> bool:
+        """Whether unit ``u``'s parameters are whole right now."""
+        return self._storage[u].full is not None
+
+    def broadcast_changes(self, u: int, src: int) -> None:
+        """Make rank ``src``'s values of gathered unit ``u`` everyone's, slices included."""
+        self.fetch(u)
+        storage = self._storage[u]
+        full = storage.full
+        assert full is not None
+        with torch.no_grad():
+            for i, param in enumerate(storage.params):
+                view = storage.view(full, i)
+                if param.data.data_ptr() != view.data_ptr():  # replaced, not changed in place
+                    view.copy_(param.data)
+                    param.data = view
+        self.comm.broadcast(full, src=src, purpose="parameters")
+        storage.scatter_back()
+
+    def free(self, u: int) -> None:
+        """Release unit ``u``'s gathered parameters (persistent units stay)."""
+        storage = self._storage[u]
+        if self.units[u].persistent or storage.full is None:
+            return
+        handle = self._pending.pop(u, None)
+        if handle is not None:
+            handle.wait()  # never drop a buffer a collective still writes into
+        storage.free()
+        self.live_bytes -= storage.full_nbytes
+
+    def free_all(self) -> None:
+        """Release every non-persistent unit (end of backward, or after an error)."""
+        for u in range(len(self.units)):
+            self.free(u)
+
+    def _prefetch(self, candidates: Iterator[int]) -> None:
+        budget = self.policy.prefetch_numel
+        for v in candidates:
+            storage = self._storage[v]
+            if storage.full is not None:
+                continue
+            numel = storage.layout.padded_numel
+            if budget < numel:
+                return
+            live_numel = self.live_bytes // max(storage.shard.element_size(), 1)
+            if live_numel + numel > self.policy.max_live_numel:
+                return
+            budget -= numel
+            self._issue(v)
+
+    def _after_in_trace(self, u: int, step: int) -> Iterator[int]:
+        if u not in self._trace:
+            return iter(())
+        i = self._trace.index(u)
+        order = self._trace[i + 1 :] if step > 0 else self._trace[:i][::-1]
+        return iter(order)
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def _pre(self, u: int, _module: nn.Module, _args: Any) -> None:
+        self.fetch(u)
+        if u not in self._current:
+            self._current.append(u)
+        self._prefetch(self._after_in_trace(u, +1))
+
+    def _post(self, u: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            wanted = [t for t in _tensors(output) if t.requires_grad]
+            if wanted:
+                torch.autograd.graph.register_multi_grad_hook(
+                    wanted, functools.partial(self._pre_backward, u), mode="any"
+                )
+        self.free(u)
+
+    def _root_pre(self, u: int | None, module: nn.Module, args: Any) -> None:
+        self._in_forward += 1
+        if self._in_forward == 1:
+            self._current = []
+        if u is not None:
+            self._pre(u, module, args)
+
+    def _root_post(self, u: int | None, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_forward -= 1
+        if u is not None:
+            self._post(u, module, args, output)
+        if self._in_forward == 0:
+            self._trace = self._current
+            self.free_all()  # prefetched units the pass did not use after all
+
+    def _pre_backward(self, u: int, _grad: Any) -> None:
+        self.fetch(u)
+        self._prefetch(self._after_in_trace(u, -1))
+
+    # -- fingerprint ----------------------------------------------------------------------------
+
+    def fingerprint(self) -> list[float]:
+        """Gathers per unit and a hash of their order since the last reset."""
+        return [float(c) for c in self.counts] + [float(self.sequence_hash)]
+
+    def reset_fingerprint(self) -> None:
+        """Start counting a new accumulation window."""
+        self.counts = [0] * len(self.units)
+        self.sequence_hash = 0
+
+    def remove(self) -> None:
+        """Detach every hook."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for storage in self._storage:
+            for param in storage.params:
+                if hasattr(param, HOME):
+                    delattr(param, HOME)

@@ -1,0 +1,96 @@
+"""``zerotrain.zero.GatheredParameters``: whole stage-3 parameters inside a ``with`` block.
+
+Entering gathers every unit that holds one of the parameters (a collective: every rank must
+enter the block with the same parameters); leaving frees them again. With
+``modifier_rank=r``, what rank r changed inside the block is broadcast and every rank keeps
+its slice of the new values. Parameters that are not partitioned (stages 0-2, or no engine
+at all) are left as they are, except that with ``modifier_rank`` rank r's values are
+broadcast, so the ranks stay identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from zerotrain.comm.collectives import broadcast_without_engine
+
+if TYPE_CHECKING:
+    from zerotrain.zero.gather import ParamGatherer
+
+HOME = "_zerotrain_unit"  # attribute on a stage-3 parameter: (ParamGatherer, unit index)
+
+
+def _as_list(params: nn.Parameter | Iterable[nn.Parameter] | None) -> list[nn.Parameter]:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]  # type: ignore[list-item]
+    return list(params)
+
+
+class GatheredParameters:
+    """Context manager giving full values of ``params`` inside the block.
+
+    Args:
+        params: a parameter or an iterable of them (e.g. ``module.parameters()``).
+        modifier_rank: the rank whose in-block changes are kept (None: changes are dropped
+            for partitioned parameters; every rank should treat them as read-only).
+        fwd_module: accepted for DeepSpeed compatibility; not needed.
+        enabled: False makes the block a no-op.
+    """
+
+    def __init__(
+        self,
+        params: nn.Parameter | Iterable[nn.Parameter] | None,
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        del fwd_module
+        self.params = _as_list(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._units: list[tuple[ParamGatherer, int, bool]] = []
+        self._plain: list[nn.Parameter] = []
+
+    def __enter__(self) -> None:
+        seen: dict[tuple[int, int], tuple[ParamGatherer, int]] = {}
+        for param in self.params:
+            home = getattr(param, HOME, None)
+            if home is None:
+                self._plain.append(param)
+            else:
+                seen.setdefault((id(home[0]), home[1]), home)
+        # The same order on every rank, whatever order the parameters came in.
+        for _, (gatherer, u) in sorted(seen.items(), key=lambda kv: kv[0][1]):
+            was_gathered = gatherer.is_gathered(u)
+            gatherer.fetch(u)
+            self._units.append((gatherer, u, was_gathered))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Any:
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                self._keep_changes(self.modifier_rank)
+        finally:
+            for gatherer, u, was_gathered in self._units:
+                if not was_gathered:
+                    gatherer.free(u)
+            self._units.clear()
+            self._plain.clear()
+        return None
+
+    def _keep_changes(self, rank: int) -> None:
+        for gatherer, u, _ in self._units:
+            gatherer.broadcast_changes(u, rank)
+        if self._plain:
+            with torch.no_grad():
+                broadcast_without_engine([p.data for p in self._plain], src=rank)
