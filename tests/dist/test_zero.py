@@ -282,3 +282,108 @@ def test_stage_matches_over_plain_gloo_collectives(stage):
     spec = _spec(stage, steps=6)
     results = run_distributed(train_zerotrain, 3, spec, env={"ZEROTRAIN_SHM": "0"})
     assert_matches(results[0], train_reference(spec, 3))
+
+
+# -- optimizer groups and state across ranks (regressions) -----------------------------------
+
+
+def _two_group_lamb(stage: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    world = dist.get_world_size()
+    config = {
+        "train_batch_size": 4 * world,
+        "optimizer": {"type": "Lamb", "params": {"lr": 1e-2}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [1e-2, 2e-2]}},
+        "zero_optimization": {"stage": stage},
+    }
+    # The small no-decay group lands at the end of the unit: on the last rank only.
+    groups = [
+        {"params": [model[0].weight, model[1].weight]},
+        {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+    ]
+    engine, optimizer, _, _ = zerotrain.initialize(
+        model=model, model_parameters=groups, config=config
+    )
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 16)).pow(2).mean())
+        engine.step()
+    return {"groups": len(optimizer.param_groups), "lr": engine.get_lr()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_rank_has_every_param_group_even_without_elements_of_it(stage):
+    results = run_distributed(_two_group_lamb, 3, stage, comm_timeout=20)
+    assert all(r["groups"] == 2 for r in results)
+    assert all(r["lr"] == results[0]["lr"] for r in results)
+
+
+def _user_optimizer_with_zero_grad(stage: int) -> float:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    config = {"train_batch_size": 2 * dist.get_world_size(), "zero_optimization": {"stage": stage}}
+    engine, optimizer, _, _ = zerotrain.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+    )
+    with zerotrain.zero.GatheredParameters(model.weight):
+        before = model.weight.detach().clone()
+    for _ in range(3):
+        optimizer.zero_grad()  # torch's default sets .grad to None
+        engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+        engine.step()
+    with zerotrain.zero.GatheredParameters(model.weight):
+        return (model.weight.detach() - before).abs().max().item()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_optimizers_zero_grad_does_not_stop_training(stage):
+    assert all(change > 1e-3 for change in run_distributed(_user_optimizer_with_zero_grad, 2, stage))
+
+
+class _SometimesUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.a(x)
+        return (self.b(y) if use_b else y).pow(2).mean()
+
+
+def _sgd_unused_on_first_step(stage: int, reference: bool) -> dict:
+    torch.manual_seed(0)
+    model = _SometimesUnused()
+    hyper = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
+    world, rank = (1, 0) if reference else (dist.get_world_size(), dist.get_rank())
+    if reference:
+        opt = torch.optim.SGD(model.parameters(), **hyper)
+    else:
+        config = {
+            "train_batch_size": 4,
+            "optimizer": {"type": "SGD", "params": hyper},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(4, 4, generator=gen).chunk(world)[rank]
+        if reference:
+            opt.zero_grad()
+            model(x, step != 0).backward()
+            opt.step()
+        else:
+            engine.backward(engine(x, step != 0))
+            engine.step()
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_momentum_of_a_parameter_unused_on_the_first_step_starts_at_zero(stage):
+    # Plain PyTorch creates no momentum for a parameter without a gradient; zerotrain's
+    # flat state is created for the whole piece and must start at zero for it.
+    reference = _sgd_unused_on_first_step(stage, reference=True)
+    for out in run_distributed(_sgd_unused_on_first_step, 2, stage, False):
+        for name, value in reference.items():
+            torch.testing.assert_close(out[name], value, rtol=0, atol=1e-6, msg=name)

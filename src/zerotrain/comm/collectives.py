@@ -9,7 +9,9 @@ Asynchronous calls return a :class:`Handle` with an explicit ``wait()``.
 from __future__ import annotations
 
 import datetime
+import os
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
@@ -84,6 +86,8 @@ def _signature(op: str, purpose: str, payload: torch.Tensor, label: str | None) 
 
 
 def _failure_message(what: str, exc: BaseException) -> str:
+    if isinstance(exc, shm.ShmMismatchError):
+        return f"{what}: {exc}"
     return (
         f"{what} failed: {exc}. Another rank probably exited, or the ranks issued different "
         "collectives (different code paths or models); see the other ranks' output."
@@ -129,8 +133,17 @@ class Communicator:
         self.device = device
         self.stats = CommStats()
         if shared_memory is None:
-            shared_memory = self.backend == "gloo" and self.world_size > 1 and shm.supported()
+            shared_memory = self.backend == "gloo" and self.world_size > 1
         self._shm = self._open_shared_memory() if shared_memory else None
+        # Over plain gloo, ranks in mismatched collectives abort inside gloo (or exchange the
+        # wrong data when sizes agree); a tiny signature check before each one turns that
+        # into a clear error on every rank. The shared-memory path checks signatures itself.
+        self._verify = (
+            self.backend == "gloo"
+            and self._shm is None
+            and self.world_size > 1
+            and os.environ.get("ZEROTRAIN_VERIFY_COLLECTIVES", "1") != "0"
+        )
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -140,10 +153,26 @@ class Communicator:
     def _open_shared_memory(self) -> shm.ShmCollectives | None:
         """Set up the arena if every rank is on this machine; every rank agrees or none uses
         it (a rank that fails to map the segment makes all of them fall back to gloo)."""
-        hosts: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(hosts, shm.host_identity(), group=self.group)
-        if len(set(hosts)) != 1:
+        # Each rank reads its own environment; the decision and the slot size must be the
+        # same everywhere (different slot sizes would silently misplace data).
+        try:
+            slot_bytes, problem = shm.slot_bytes_from_env(), None
+        except ValueError as err:
+            slot_bytes, problem = 0, str(err)
+        mine = (shm.host_identity(), shm.supported(), slot_bytes, problem)
+        infos: list[tuple[str, bool, int, str | None] | None] = [None] * self.world_size
+        dist.all_gather_object(infos, mine, group=self.group)
+        seen = [info for info in infos if info is not None]
+        problems = [f"rank {r}: {info[3]}" for r, info in enumerate(seen) if info[3]]
+        if problems:
+            raise ValueError("; ".join(problems))
+        if len({info[0] for info in seen}) != 1 or not all(info[1] for info in seen):
             return None
+        slot_bytes = seen[0][2]
+        if len({info[2] for info in seen}) != 1:
+            log.warning(
+                "ZEROTRAIN_SHM_SLOT_BYTES differs between ranks; using rank 0's (%d)", slot_bytes
+            )
 
         def open_arena(name: str, create: bool) -> shm.ShmArena | None:
             try:
@@ -153,7 +182,7 @@ class Communicator:
                     self.world_size,
                     create,
                     self.timeout,
-                    shm.slot_bytes_from_env(),
+                    slot_bytes,
                 )
             except OSError as err:
                 log.warning("rank %d: shared-memory collectives unavailable (%s)", self.rank, err)
@@ -204,6 +233,8 @@ class Communicator:
             return f"rank {self.rank}: {_signature(op, purpose, payload, label)}"
 
         self.stats.record(op, purpose, nbytes)
+        if self._verify:
+            self._verify_signature(_signature(op, purpose, payload, label))
         try:
             work = call()
         except Exception as exc:
@@ -212,6 +243,23 @@ class Communicator:
         if not async_op:
             handle.wait()
         return handle
+
+    def _verify_signature(self, signature: str) -> None:
+        code = float(zlib.crc32(signature.encode()))
+        both = torch.tensor([code, -code], dtype=torch.float64)
+        try:
+            work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            work.wait(self.timeout) if self.timeout is not None else work.wait()
+        except Exception as exc:
+            raise CollectiveError(
+                _failure_message(f"rank {self.rank}: {signature} (signature check)", exc)
+            ) from exc
+        if both[0].item() != -both[1].item():
+            raise CollectiveError(
+                f"rank {self.rank}: the ranks entered different collectives (they took "
+                f"different code paths, e.g. a module run on one rank and not another): "
+                f"this rank is in {signature}, another rank in a different one"
+            )
 
     # -- collectives ------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ the slots.
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]
 import datetime
 import os
 import platform
@@ -101,11 +102,16 @@ class ShmArena:
         notes = 2 * _NOTE * world_size
         header = _LINE * world_size + notes
         size = header + world_size * slot_bytes
-        self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
-        if not create:
-            # Python registers opened segments for removal at exit too (fixed only in 3.13's
-            # track=False); the creator alone owns the name.
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._shm = _untracked_segment(name, create, size)
+        if create:
+            try:
+                # Reserve the pages now: tmpfs only truncates, and a /dev/shm too small for
+                # the arena would otherwise kill the process with SIGBUS on first touch.
+                os.posix_fallocate(self._shm._fd, 0, size)  # type: ignore[attr-defined]
+            except OSError:
+                self._shm.close()
+                _posixshmem.shm_unlink(self._shm._name)  # type: ignore[attr-defined]
+                raise
         self._control = np.ndarray((world_size, _LINE // 8), dtype=np.int64, buffer=self._shm.buf)
         self._buf: memoryview = self._shm.buf  # type: ignore[assignment]
         self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8)
@@ -124,7 +130,7 @@ class ShmArena:
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid; the memory goes when every rank detached)."""
-        self._shm.unlink()
+        _posixshmem.shm_unlink(self._shm._name)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Detach from the segment."""
@@ -214,6 +220,25 @@ class ShmArena:
             f"rank {self.rank}: rank(s) {late} {verb} during a shared-memory {what} "
             f"(waited up to {self.timeout:.0f} s)"
         )
+
+
+_TRACKER_LOCK = threading.Lock()
+
+
+def _untracked_segment(name: str, create: bool, size: int) -> shared_memory.SharedMemory:
+    """Create or open a segment without Python's resource tracker (3.13's ``track=False``).
+
+    The tracker would unlink the segment when any one rank exits, and ranks started by
+    spawn share one tracker, which then reports every rank's bookkeeping as an error. The
+    name is removed explicitly instead, as soon as every rank has attached.
+    """
+    with _TRACKER_LOCK:
+        register = resource_tracker.register
+        resource_tracker.register = lambda *args: None
+        try:
+            return shared_memory.SharedMemory(name=name, create=create, size=size)
+        finally:
+            resource_tracker.register = register
 
 
 def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:

@@ -41,19 +41,15 @@ class EngineOptimizer:
 
 
 def flat_groups(strategy: ZeroStrategy, groups: ParamGroups) -> list[FlatGroup]:
-    """One flat group per optimizer group that has parameters on this rank."""
+    """One flat group per optimizer group, on every rank: a group none of whose elements
+    this rank owns gets an empty placeholder, so every rank has the same groups (per-group
+    collectives such as LAMB's norms, per-group schedules and ``get_lr()`` line up)."""
     flat = []
     for g, options in enumerate(groups.options):
         pieces = strategy.pieces(g)
-        if pieces:
-            flat.append(
-                FlatGroup(
-                    [p.param for p in pieces],
-                    [p.segments for p in pieces],
-                    dict(options),
-                    num_ids=strategy.num_params,
-                )
-            )
+        tensors = [p.param for p in pieces] or [strategy.placeholder(g)]
+        segments = [p.segments for p in pieces] or [()]
+        flat.append(FlatGroup(tensors, segments, dict(options), num_ids=strategy.num_params))
     return flat
 
 

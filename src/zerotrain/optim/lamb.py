@@ -132,6 +132,8 @@ class Lamb(FlatOptimizer):
             real = [i for i, pid in enumerate(ids) if pid >= 0]
             index = torch.tensor([ids[i] for i in real], dtype=torch.long, device=device)
             for row, tensor in enumerate((param, update)):
+                if not real:
+                    break  # padding only (or an empty placeholder): no norm to add
                 pieces = tensor.view(-1).split(lengths)
                 norms = torch._foreach_norm([pieces[i] for i in real])
                 squares[row].index_add_(0, index, torch.stack(norms).float().square())
@@ -143,6 +145,8 @@ class Lamb(FlatOptimizer):
         trust = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
         # Pass 2: apply. Padding gets coefficient 0 and is never updated.
         for param, update, lengths, ids, step in work:
+            if param.numel() == 0:
+                continue  # a placeholder: it only took part in the norm reduction
             step_size = group["lr"]
             if group["bias_correction"]:
                 step_size *= math.sqrt(1 - beta2**step) / (1 - beta1**step)

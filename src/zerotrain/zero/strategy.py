@@ -100,6 +100,7 @@ class ZeroStrategy:
         )
         self._boundary = False
         self._used: tuple[torch.Tensor, Handle] | None = None
+        self._placeholders: dict[int, torch.Tensor] = {}
         self._trainable_ids = torch.tensor(
             [
                 pid
@@ -246,6 +247,7 @@ class ZeroStrategy:
                     whole.append((piece.param, copy.deepcopy(dict(state))))
                     saved.append((piece.param, piece.param.clone()))
         whole_ids = {id(p) for p, _ in whole}
+        shared: list[tuple[torch.Tensor, slice, set[str]]] = []
         for unit, index in unused:
             for piece, where in unit.owned_slices(index):
                 if id(piece.param) in whole_ids:
@@ -257,9 +259,17 @@ class ZeroStrategy:
                     if isinstance(t, torch.Tensor) and t.shape == piece.param.shape
                 ]
                 saved += [(t[where], t[where].clone()) for t in tensors]
+                shared.append((piece.param, where, set(state)))
         yield
         for target, value in saved:
             target.copy_(value)
+        for param, where, existed in shared:
+            # State the step created (momentum, moments on the first step) starts at zero
+            # for a parameter that had no gradient, as if it had not been stepped.
+            for key, value in optimizer.state.get(param, {}).items():
+                new = key not in existed and isinstance(value, torch.Tensor)
+                if new and value.shape == param.shape:
+                    value[where].zero_()
         for param, state in whole:
             if state:
                 optimizer.state[param] = state
@@ -283,6 +293,7 @@ class ZeroStrategy:
                     unit.buffer.params[index].grad = None  # torch skips it, as without zerotrain
                 optimizer.step()
             else:
+                self._bind_optimizer_grads()
                 with torch.no_grad(), self._untouched(unused, optimizer):
                     optimizer.step()
         handles = []
@@ -299,6 +310,26 @@ class ZeroStrategy:
     def pieces(self, group: int) -> list[OptimizerPiece]:
         """This rank's pieces of optimizer group ``group``, over all units."""
         return [p for unit in self.units for p in unit.pieces if p.group == group]
+
+    def placeholder(self, group: int) -> torch.Tensor:
+        """An empty tensor (with an empty gradient) standing in for optimizer group
+        ``group`` on a rank that owns none of its elements."""
+        if group not in self._placeholders:
+            dtype = self.units[0].buffer.dtype if self.units else torch.float32
+            empty = torch.zeros(0, dtype=dtype, device=self.comm.device)
+            empty.grad = torch.zeros_like(empty)
+            self._placeholders[group] = empty
+        return self._placeholders[group]
+
+    def _bind_optimizer_grads(self) -> None:
+        # An optimizer's zero_grad() (torch's default: set_to_none) drops these references;
+        # without them every piece would be skipped as if it had no gradient.
+        for unit in self.units:
+            for piece in unit.pieces:
+                piece.param.grad = piece.grad
+        for empty in self._placeholders.values():
+            if empty.grad is None:
+                empty.grad = torch.zeros_like(empty)
 
     # -- accounting -----------------------------------------------------------------------------
 

@@ -1,0 +1,321 @@
+"""ZeRO stage 3: parity with single-process training, the paper's 3 x params of
+communication, memory per rank, models with awkward parameter use, GatheredParameters, and
+ranks that take different code paths."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerotrain
+from tests.helpers.training import (
+    RunSpec,
+    assert_matches,
+    global_batches,
+    make_model,
+    micro_batch,
+    train_reference,
+    train_zerotrain,
+    zerotrain_config,
+)
+from zerotrain.testing.dist import DistributedTestError, run_distributed
+
+ADAM = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}  # see test_stage0.OPTIMIZERS
+# Every unit partitioned: the tiny GPT's blocks are far below DeepSpeed's default threshold.
+NO_PERSISTENCE = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4000}
+
+
+def _spec(**kw) -> RunSpec:
+    extra = kw.pop("extra_config", {})
+    zero = {**NO_PERSISTENCE, **extra.pop("zero_optimization", {})}
+    kw.setdefault("opt_params", ADAM)
+    return RunSpec(
+        two_groups=True,
+        freeze="blocks.0.ln1.weight",
+        stage=3,
+        extra_config={"zero_optimization": zero, **extra},
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_stage3_matches_single_process_training(world_size):
+    """20 steps, accumulation 2, clipping 1.0, tied embedding/head, two param groups, a
+    frozen parameter inside a block; shards padded (the counts do not divide by 3 or 4)."""
+    spec = _spec()
+    results = run_distributed(train_zerotrain, world_size, spec)
+    reference = train_reference(spec, world_size)
+    for result in results:
+        assert_matches(result, reference)
+
+
+def test_persistent_units_and_prefetch_limits_do_not_change_results():
+    # Blocks below the threshold stay gathered; a prefetch budget of one block and a live
+    # limit that blocks most prefetching exercise the other paths of the gatherer.
+    zero = {
+        "stage3_param_persistence_threshold": 20_000,
+        "stage3_prefetch_bucket_size": 13_000,
+        "stage3_max_live_parameters": 30_000,
+    }
+    spec = _spec(steps=6, extra_config={"zero_optimization": zero})
+    results = run_distributed(train_zerotrain, 2, spec)
+    assert_matches(results[1], train_reference(spec, 2))
+
+
+def test_sgd_and_lamb_match_single_process():
+    for optimizer, params in (
+        ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+        ("Lamb", {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-6}),  # norms over shards
+    ):
+        spec = _spec(optimizer=optimizer, opt_params=params, steps=6)
+        results = run_distributed(train_zerotrain, 3, spec)
+        assert_matches(results[2], train_reference(spec, 3))
+
+
+# -- communication and memory -----------------------------------------------------------------
+
+
+def _stage3_step_stats(threshold: int) -> dict:
+    spec = RunSpec(steps=3, grad_accum=1, stage=3)
+    model = make_model(spec)
+    world = dist.get_world_size()
+    config = zerotrain_config(spec, world)
+    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": threshold}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    batches = global_batches(spec, world)
+    snaps = []
+    for step in range(spec.steps):
+        engine.reset_comm_stats()
+        x, y = micro_batch(batches, spec, step, 0, dist.get_rank(), world)
+        engine.backward(engine(x, y))
+        engine.step()
+        snaps.append(engine.comm_stats())
+    units = engine.strategy.units
+    return {
+        "params": [s.get(purpose="parameters").bytes for s in snaps],
+        "grads": [s.get(purpose="gradients").bytes for s in snaps],
+        "control": [s.get(purpose="control").bytes for s in snaps],
+        "padded": sum(4 * u.buffer.layout.padded_numel for u in units),
+        "persistent": sum(4 * u.buffer.layout.padded_numel for u in units if u.persistent),
+        "memory": engine.memory_breakdown().as_dict(),
+        "P": sum(u.numel for u in units),  # the model's parameters are empty between uses
+        "unit_bytes": sorted(4 * u.buffer.layout.padded_numel for u in units),
+        "labels": [u.label for u in units],
+    }
+
+
+@pytest.mark.parametrize("threshold", [0, 20_000])
+def test_communication_per_step_is_three_times_the_parameters(threshold):
+    for out in run_distributed(_stage3_step_stats, 3, threshold):
+        size, persistent = out["padded"], out["persistent"]
+        assert out["labels"] == ["blocks.1", "blocks.0", "<root>"]
+        assert (persistent > 0) == (threshold > 0)
+        for params, grads, control in zip(out["params"], out["grads"], out["control"]):
+            # All-gathers in forward and backward, one reduce-scatter: 3 x params; a
+            # persistent unit is gathered once per step (its update) instead of twice.
+            assert grads == size
+            assert params == 2 * size - persistent
+            assert control <= 2 * 8 * 64
+
+
+def test_memory_breakdown_at_stage3_keeps_one_slice_plus_the_gathered_units():
+    for out in run_distributed(_stage3_step_stats, 3, 0):
+        mem, p, n = out["memory"], out["P"], 3
+        shard = 4 * math.ceil(p / n)
+        pad = 4 * n * len(out["unit_bytes"])
+        assert shard <= mem["params"] <= shard + pad  # parameters: this rank's slice only
+        biggest = out["unit_bytes"]
+        # The most gathered at once: the root unit (held through forward and backward)
+        # plus the block in use and the one prefetched.
+        assert biggest[-1] < mem["gathered"] <= sum(biggest[-3:])
+        assert mem["grads"] >= shard  # the gradient slice (+ staging for whole units)
+
+
+# -- models that use parameters awkwardly -----------------------------------------------------
+
+
+class Shared(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Awkward(nn.Module):
+    """A block called twice, a loose parameter used by the root, a frozen unit parameter."""
+
+    def __init__(self, width: int = 24) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, width)
+        self.layers = nn.ModuleList(Shared(width) for _ in range(3))
+        self.scale = nn.Parameter(torch.ones(width))
+        self.head = nn.Linear(width, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.layers[2].fc.bias.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        x = self.layers[0](x)
+        x = self.layers[1](x)
+        x = self.layers[1](x)  # reused
+        x = self.layers[2](x) * self.scale
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _train_awkward(stage: int) -> dict:
+    torch.manual_seed(0)
+    model = Awkward()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 50, (6, 2, world * 2, 9), generator=gen)
+    losses, evals = [], []
+    for step in range(6):
+        for micro in range(2):
+            batch = data[step, micro, rank * 2 : rank * 2 + 2]
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            engine.step()
+        engine.eval()
+        with torch.no_grad():
+            evals.append(engine(data[0, 0, :2, :-1], data[0, 0, :2, 1:]).item())
+        engine.train()
+        losses.append(engine.comm.all_reduce_floats([evals[-1]])[0] / world)
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "evals": evals, "params": params}
+
+
+def test_reused_module_tied_and_loose_parameters_and_eval_match_stage0():
+    stage0 = run_distributed(_train_awkward, 2, 0)
+    stage3 = run_distributed(_train_awkward, 2, 3)
+    for a, b in zip(stage0, stage3):
+        assert max(abs(x - y) for x, y in zip(a["evals"], b["evals"])) < 1e-5
+        for name, value in a["params"].items():
+            torch.testing.assert_close(b["params"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+# -- GatheredParameters -----------------------------------------------------------------------
+
+
+def _modify_on_rank_one() -> dict:
+    spec = RunSpec(steps=2, grad_accum=1, stage=3)
+    model = make_model(spec)
+    config = zerotrain_config(spec, dist.get_world_size())
+    config["zero_optimization"] = NO_PERSISTENCE
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    weight = model.blocks[1].mlp.fc.weight
+    released_shape = tuple(weight.shape)
+    with zerotrain.zero.GatheredParameters([weight], modifier_rank=1), torch.no_grad():
+        whole_shape = tuple(weight.shape)
+        if dist.get_rank() == 1:
+            weight.fill_(0.5)
+        else:
+            weight.fill_(-1.0)  # not the modifier: dropped
+    with zerotrain.zero.GatheredParameters(model.blocks[1].parameters()):
+        seen = weight.detach().clone()
+    # Training still runs on the changed weights, identically on every rank.
+    x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
+    engine.backward(engine(x, y))
+    engine.step()
+    with zerotrain.zero.GatheredParameters(weight):
+        after = weight.detach().clone()
+    return {"released": released_shape, "whole": whole_shape, "seen": seen, "after": after}
+
+
+def test_gathered_parameters_gives_whole_values_and_keeps_the_modifier_ranks_changes():
+    a, b = run_distributed(_modify_on_rank_one, 2)
+    assert a["released"] == (0,) and a["whole"] == (128, 32)
+    for out in (a, b):
+        assert torch.equal(out["seen"], torch.full((128, 32), 0.5))
+    torch.testing.assert_close(a["after"], b["after"], rtol=0, atol=0)
+    assert not torch.equal(a["after"], a["seen"])  # and the optimizer updated them
+
+
+# -- ranks that take different code paths -----------------------------------------------------
+
+
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_a_rank_skipping_a_block_fails_on_every_rank_naming_the_unit(shared_memory):
+    # Shared memory compares every collective's signature; over plain gloo a tiny signature
+    # check precedes each collective. Either way the first gather that differs fails at once
+    # on every rank, naming the unit.
+    env = {"ZEROTRAIN_SHM": shared_memory}
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_skip_gather_on_rank_one, 2, env=env, timeout=60, comm_timeout=8)
+    message = str(info.value)
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 raised" in message  # both raised; neither hung or crashed
+    assert "entered different collectives" in message
+    assert "all_gather of parameters [blocks.0]" in message
+    seconds = [float(t) for t in re.findall(r"failed after (\d+\.\d) s", message)]
+    assert len(seconds) == 2 and max(seconds) < 30
+
+
+def _skip_gather_on_rank_one() -> None:
+    spec = RunSpec(steps=1, grad_accum=1, stage=3)
+    model = make_model(spec)
+    config = zerotrain_config(spec, dist.get_world_size())
+    config["zero_optimization"] = NO_PERSISTENCE
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    blocks = model.blocks
+    if dist.get_rank() == 1:
+        # A model whose forward skips a block on one rank (e.g. a data-dependent branch).
+        def forward(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(idx.shape[1])
+            x = model.wte(idx) + model.wpe(pos)
+            x = blocks[1](x)  # blocks[0] skipped
+            logits = model.lm_head(model.ln_f(x))
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+        model.forward = forward  # type: ignore[method-assign]
+    x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
+    start = time.monotonic()
+    try:
+        engine.backward(engine(x, y))
+        engine.step()
+    except Exception as err:
+        raise RuntimeError(f"failed after {time.monotonic() - start:.1f} s: {err}") from None
+    raise AssertionError("a rank that skipped a block trained on")
+
+
+def _blocks_in_another_order_on_rank_one() -> None:
+    spec = RunSpec(steps=1, grad_accum=1, stage=3)
+    model = make_model(spec)
+    config = zerotrain_config(spec, dist.get_world_size())
+    config["zero_optimization"] = NO_PERSISTENCE
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    if dist.get_rank() == 1:
+        model.blocks = nn.ModuleList([model.blocks[1], model.blocks[0]])
+    x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
+    engine.backward(engine(x, y))
+    engine.step()
+
+
+def test_gathers_that_match_in_size_but_not_in_unit_are_caught_at_the_step():
+    # With every per-collective check off, the blocks' gathers pair up (same sizes) and
+    # silently exchange the wrong parameters; the fingerprint compared at the accumulation
+    # boundary still stops the step on every rank before the optimizer applies anything.
+    env = {"ZEROTRAIN_SHM": "0", "ZEROTRAIN_VERIFY_COLLECTIVES": "0"}
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_blocks_in_another_order_on_rank_one, 2, env=env, timeout=60)
+    message = str(info.value)
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 raised" in message
+    assert message.count("DivergedRanksError") >= 2
+    assert "in a different order" in message
