@@ -1,0 +1,53 @@
+"""Choosing stage-3 units from a model's structure."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from zerotrain.examples.gpt import GPT, GPTConfig
+from zerotrain.zero.module_units import plan_module_units
+
+TINY = GPTConfig(block_size=8, n_layer=3, n_head=2, n_embd=16)
+
+
+def test_repeated_blocks_are_units_and_the_rest_is_the_root():
+    model = GPT(TINY)
+    blocks, root = plan_module_units(model)
+    assert [b.name for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert root is not None and root.label == "<root>"
+    # The tied embedding/head weight is one parameter, in the root unit.
+    root_names = [n for n, _ in root.params]
+    assert "wte.weight" in root_names and "lm_head.weight" not in root_names
+    total = sum(b.numel for b in blocks) + root.numel
+    assert total == sum(p.numel() for p in model.parameters())
+
+
+def test_a_parameter_shared_between_a_block_and_the_root_goes_to_the_root():
+    model = GPT(TINY)
+    model.blocks[1].mlp.fc.weight = model.blocks[0].mlp.fc.weight  # shared by two blocks
+    blocks, root = plan_module_units(model)
+    assert root is not None
+    assert "blocks.0.mlp.fc.weight" in [n for n, _ in root.params]
+    for block in blocks[:2]:
+        assert all("mlp.fc.weight" not in n for n, _ in block.params)
+    assert "blocks.2.mlp.fc.weight" in [n for n, _ in blocks[2].params]
+
+
+def test_classes_override_the_choice():
+    model = GPT(TINY)
+    blocks, root = plan_module_units(model, ["MLP", "CausalSelfAttention"])
+    assert [b.name for b in blocks][:2] == ["blocks.0.attn", "blocks.0.mlp"]
+    assert len(blocks) == 6
+    assert root is not None and any(n.startswith("blocks.0.ln1") for n, _ in root.params)
+
+
+def test_unknown_class_names_are_an_error_listing_the_classes():
+    with pytest.raises(ValueError, match="matches no module of the model.*Block"):
+        plan_module_units(GPT(TINY), ["Blok"])
+
+
+def test_heterogeneous_lists_and_single_children_are_not_blocks():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    blocks, root = plan_module_units(model)
+    assert blocks == [] and root is not None and len(root.params) == 4
