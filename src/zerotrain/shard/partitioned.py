@@ -3,9 +3,13 @@ the whole buffer exists only while the unit is gathered.
 
 Between uses every parameter of the unit is an empty tensor (shape ``(0,)``), so code that
 touches a parameter of a released unit fails loudly instead of computing with stale values.
-Gathering allocates a fresh buffer each time and never writes into one handed out before:
-autograd may still hold views of an earlier gather (tensors saved for backward), and those
-must keep their values.
+
+The whole buffer is one tensor for the unit's lifetime whose *storage* is freed (resized to
+zero bytes) on release and reallocated on the next gather. Autograd keeps views of
+parameters for backward (``weight.t()`` saved by a matmul); had each gather allocated a
+fresh buffer, those views would keep every released buffer alive until backward, and the
+whole model would be resident after the forward pass. With one storage they hold no memory
+while released and see the same values again once the unit is gathered for backward.
 """
 
 from __future__ import annotations
@@ -18,6 +22,14 @@ from torch import nn
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.shard.layout import FlatLayout
 from zerotrain.utils.invariant import invariant
+
+
+def replace_storage(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make ``param`` (the same object) hold ``value``, even across devices (a parameter on
+    the meta device cannot simply be given real data)."""
+    replacement = nn.Parameter(value, requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, replacement)
+
 
 # The full value of parameter ``i`` of the layout (used when parameters are not materialised,
 # e.g. built by ``zerotrain.zero.Init`` on the meta device).
@@ -55,7 +67,8 @@ class PartitionedParams:
         self.device = device
         self.owned = layout.shard_range(rank)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=device)
-        self.full: torch.Tensor | None = None
+        self.full = torch.empty(layout.padded_numel, dtype=self.dtype, device=device)
+        self.gathered = True  # until the free() below
         self._released = torch.empty(0, dtype=self.dtype, device=device)
         lo, hi = self.owned
         with torch.no_grad():
@@ -67,6 +80,9 @@ class PartitionedParams:
                 invariant(tuple(value.shape) == spec.shape, f"{spec.fqn}: shape changed")
                 flat = value.reshape(-1)[a - spec.start : b - spec.start]
                 self.shard[a - lo : b - lo].copy_(flat)
+        for param in self.params:
+            if param.is_meta:
+                replace_storage(param, self._released)
         self.free()
 
     @property
@@ -77,7 +93,7 @@ class PartitionedParams:
     @property
     def gathered_nbytes(self) -> int:
         """Bytes of the whole buffer while gathered, else 0."""
-        return 0 if self.full is None else self.full.numel() * self.full.element_size()
+        return self.full_nbytes if self.gathered else 0
 
     @property
     def full_nbytes(self) -> int:
@@ -98,45 +114,47 @@ class PartitionedParams:
     def gather(self, comm: Communicator, label: str) -> Handle:
         """Start assembling the whole buffer; parameters are views of it from now on (their
         values are valid once the handle is waited on)."""
-        invariant(self.full is None, "unit gathered twice")
-        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        handle = comm.all_gather_into(
-            full, self.shard, purpose="parameters", async_op=True, label=label
-        )
-        self.full = full
+        invariant(not self.gathered, "unit gathered twice")
+        self.full.untyped_storage().resize_(self.full_nbytes)
+        self.gathered = True
         for i, param in enumerate(self.params):
-            param.data = self.view(full, i)
-        return handle
+            param.data = self.view(self.full, i)
+        # Refilling the buffer is not a change autograd must see: views saved for backward
+        # hold exactly these values again.
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            return comm.all_gather_into(
+                self.full, self.shard, purpose="parameters", async_op=True, label=label
+            )
 
     def refresh(self, comm: Communicator, label: str) -> Handle:
         """All-gather updated slices into the buffer already gathered (persistent units)."""
-        full = self.full
-        invariant(full is not None, "refresh of a unit that is not gathered")
-        assert full is not None
+        invariant(self.gathered, "refresh of a unit that is not gathered")
         lo, hi = self.owned
-        full[lo:hi].copy_(self.shard)
+        self.full[lo:hi].copy_(self.shard)
         return comm.all_gather_into(
-            full, full[lo:hi], purpose="parameters", async_op=True, label=label
+            self.full, self.full[lo:hi], purpose="parameters", async_op=True, label=label
         )
 
     def scatter_back(self) -> None:
         """Copy this rank's slice of the gathered buffer into permanent storage (after the
         whole buffer was changed the same way on every rank)."""
-        invariant(self.full is not None, "unit not gathered")
+        invariant(self.gathered, "unit not gathered")
         lo, hi = self.owned
-        self.shard.copy_(self.full[lo:hi])  # type: ignore[index]
+        self.shard.copy_(self.full[lo:hi])
 
     def free(self) -> None:
-        """Drop the gathered buffer; parameters become empty until the next gather."""
+        """Drop the gathered values; parameters become empty until the next gather."""
         for param in self.params:
             param.data = self._released
-        self.full = None
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
 
     def release(self) -> None:
         """Give every parameter its own full storage again (the unit must be gathered)."""
-        invariant(self.full is not None, "unit not gathered")
+        invariant(self.gathered, "unit not gathered")
         with torch.no_grad():
             for param in self.params:
                 param.data = param.data.clone()
                 param.grad = None
-        self.full = None
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False

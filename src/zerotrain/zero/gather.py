@@ -30,6 +30,7 @@ from zerotrain.config.policies import Stage3Policy
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.memory import serve_large_blocks_from_mmap
 from zerotrain.zero.gathered import HOME
 
 _HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
@@ -69,6 +70,8 @@ class ParamGatherer:
         self.units = list(units)
         self.comm = comm
         self.policy = policy
+        if comm.device.type == "cpu":
+            serve_large_blocks_from_mmap()
         self._storage = [self._partitioned(u) for u in self.units]
         self._pending: dict[int, Handle] = {}
         self._trace: list[int] = []  # units in the order the previous forward pass used them
@@ -116,7 +119,7 @@ class ParamGatherer:
 
     def fetch(self, u: int) -> None:
         """Make unit ``u``'s parameters whole (gather unless already gathered)."""
-        if self._storage[u].full is None:
+        if not self._storage[u].gathered:
             self._issue(u)
         handle = self._pending.pop(u, None)
         if handle is not None:
@@ -124,14 +127,13 @@ class ParamGatherer:
 
     def is_gathered(self, u: int) -> bool:
         """Whether unit ``u``'s parameters are whole right now."""
-        return self._storage[u].full is not None
+        return self._storage[u].gathered
 
     def broadcast_changes(self, u: int, src: int) -> None:
         """Make rank ``src``'s values of gathered unit ``u`` everyone's, slices included."""
         self.fetch(u)
         storage = self._storage[u]
         full = storage.full
-        assert full is not None
         with torch.no_grad():
             for i, param in enumerate(storage.params):
                 view = storage.view(full, i)
@@ -144,7 +146,7 @@ class ParamGatherer:
     def free(self, u: int) -> None:
         """Release unit ``u``'s gathered parameters (persistent units stay)."""
         storage = self._storage[u]
-        if self.units[u].persistent or storage.full is None:
+        if self.units[u].persistent or not storage.gathered:
             return
         handle = self._pending.pop(u, None)
         if handle is not None:
@@ -158,18 +160,22 @@ class ParamGatherer:
             self.free(u)
 
     def _prefetch(self, candidates: Iterator[int]) -> None:
+        """Gather the units that come next until ``prefetch_numel`` elements ahead are
+        gathered (those already gathered count), within ``max_live_numel`` in all."""
         budget = self.policy.prefetch_numel
         for v in candidates:
             storage = self._storage[v]
-            if storage.full is not None:
+            if self.units[v].persistent:
                 continue
             numel = storage.layout.padded_numel
             if budget < numel:
                 return
-            live_numel = self.live_bytes // max(storage.shard.element_size(), 1)
+            budget -= numel
+            if storage.gathered:
+                continue
+            live_numel = self.live_bytes // storage.shard.element_size()
             if live_numel + numel > self.policy.max_live_numel:
                 return
-            budget -= numel
             self._issue(v)
 
     def _after_in_trace(self, u: int, step: int) -> Iterator[int]:
