@@ -15,10 +15,12 @@ def test_repeated_blocks_are_units_and_the_rest_is_the_root():
     model = GPT(TINY)
     blocks, root = plan_module_units(model)
     assert [b.name for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
-    assert root is not None and root.label == "<root>"
+    assert root is not None
+    assert root.label == "<root>"
     # The tied embedding/head weight is one parameter, in the root unit.
     root_names = [n for n, _ in root.params]
-    assert "wte.weight" in root_names and "lm_head.weight" not in root_names
+    assert "wte.weight" in root_names
+    assert "lm_head.weight" not in root_names
     total = sum(b.numel for b in blocks) + root.numel
     assert total == sum(p.numel() for p in model.parameters())
 
@@ -39,15 +41,18 @@ def test_classes_override_the_choice():
     blocks, root = plan_module_units(model, ["MLP", "CausalSelfAttention"])
     assert [b.name for b in blocks][:2] == ["blocks.0.attn", "blocks.0.mlp"]
     assert len(blocks) == 6
-    assert root is not None and any(n.startswith("blocks.0.ln1") for n, _ in root.params)
+    assert root is not None
+    assert any(n.startswith("blocks.0.ln1") for n, _ in root.params)
 
 
 def test_unknown_class_names_are_an_error_listing_the_classes():
-    with pytest.raises(ValueError, match="matches no module of the model.*Block"):
+    with pytest.raises(ValueError, match=r"matches no module of the model.*Block"):
         plan_module_units(GPT(TINY), ["Blok"])
 
 
 def test_heterogeneous_lists_and_single_children_are_not_blocks():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
     blocks, root = plan_module_units(model)
-    assert blocks == [] and root is not None and len(root.params) == 4
+    assert blocks == []
+    assert root is not None
+    assert len(root.params) == 4

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from zerotrain.comm.collectives import broadcast_without_engine
 from zerotrain.comm.env import init_distributed
 from zerotrain.shard.partitioned import replace_storage
-from zerotrain.utils.memory import release_free_memory
+from zerotrain.utils.memory import release_free_memory, serve_large_blocks_from_mmap
 
 _RECIPE = "_zerotrain_recipe"  # on a parameter built by Init
 _TRACKED = "_zerotrain_view"  # on a meta tensor viewing such a parameter: (recipe, chain)
@@ -241,12 +241,14 @@ class Init:
         self._new: Any = None
         self._own_rng: torch.Tensor | None = None
         self._params: list[nn.Parameter] = []
+        self._inits: dict[str, Callable[..., Any]] = {}
         self._scratch = _Scratch()
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
         env = init_distributed()
+        serve_large_blocks_from_mmap()  # one parameter after another would fragment the heap
         state = torch.get_rng_state()
         if env.rank != 0:
             self._own_rng = state.clone()
@@ -254,6 +256,15 @@ class Init:
         torch.set_rng_state(state)
         self._new = nn.Parameter.__new__
         nn.Parameter.__new__ = staticmethod(functools.partial(_new_parameter, self))  # type: ignore[method-assign]
+        # nn.init functions are recorded whole: some draw a data-dependent amount of random
+        # numbers (trunc_normal_'s rejection sampling), which no meta tensor can follow.
+        self._inits = {
+            name: getattr(nn.init, name)
+            for name in dir(nn.init)
+            if name.endswith("_") and not name.startswith("_")
+        }
+        for name, func in self._inits.items():
+            setattr(nn.init, name, functools.partial(_record_init, func))
         self._mode = _RecordMode()
         self._mode.__enter__()
         return self
@@ -268,6 +279,8 @@ class Init:
             return
         self._mode.__exit__(exc_type, exc, tb)
         nn.Parameter.__new__ = self._new  # type: ignore[method-assign]
+        for name, func in self._inits.items():
+            setattr(nn.init, name, func)
         for param in self._params:
             if hasattr(param, _TRACKED):
                 delattr(param, _TRACKED)
@@ -287,6 +300,16 @@ class Init:
         setattr(param, _TRACKED, (recipe, ()))
         self._params.append(param)
         return param
+
+
+def _record_init(func: Callable[..., Any], tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    """An ``nn.init`` function during ``Init``: recorded as one step on a parameter."""
+    tag = getattr(tensor, _TRACKED, None)
+    if tag is None:
+        return func(tensor, *args, **kwargs)
+    recipe, chain = tag
+    recipe.record(chain, Op(func, args, kwargs))
+    return tensor
 
 
 def _new_parameter(
