@@ -13,7 +13,7 @@ from torch import nn
 import zerotrain
 from zerotrain.comm.env import init_distributed
 from zerotrain.examples.gpt import GPT, GPTConfig
-from zerotrain.testing.dist import run_distributed
+from zerotrain.testing.dist import DistributedTestError, run_distributed
 
 SMALL = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
 
@@ -68,33 +68,42 @@ def test_init_gives_the_values_of_normal_construction_on_every_world_size(kind, 
             assert torch.equal(out["after"], rng_after)
 
 
-def test_init_then_a_stage_that_keeps_parameters_whole_materialises_them():
-    def values() -> dict:
-        torch.manual_seed(1)
-        with zerotrain.zero.Init():
-            model = GPT(SMALL)
-        zerotrain.initialize(model=model, config={"train_batch_size": 1})
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _values_at_stage0() -> dict:
+    torch.manual_seed(1)
+    with zerotrain.zero.Init():
+        model = GPT(SMALL)
+    zerotrain.initialize(model=model, config={"train_batch_size": 2})
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
+
+def test_init_then_a_stage_that_keeps_parameters_whole_materialises_them():
     torch.manual_seed(1)
     reference = GPT(SMALL)
-    built = values()
+    built = run_distributed(_values_at_stage0, 2)[1]
     for name, value in reference.named_parameters():
         assert torch.equal(built[name], value.detach()), name
 
 
-def test_an_init_that_reads_another_parameter_is_refused_by_name():
-    class Copies(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(3, 3)
-            self.b = nn.Linear(3, 3)
-            with torch.no_grad():
-                self.b.weight.copy_(self.a.weight)
+class Copies(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight)
 
-    with pytest.raises(NotImplementedError, match="cannot record .*copy_"), zerotrain.zero.Init():
-        Copies()
-    assert nn.Parameter(torch.ones(2)).device.type == "cpu"  # the context was undone
+
+def _build_copies() -> None:
+    try:
+        with zerotrain.zero.Init():
+            Copies()
+    finally:
+        assert nn.Parameter(torch.ones(2)).device.type == "cpu"  # the context was undone
+
+
+def test_an_init_that_reads_another_parameter_is_refused_by_name():
+    with pytest.raises(DistributedTestError, match=r"NotImplementedError: .*cannot record .*copy_"):
+        run_distributed(_build_copies, 1)
 
 
 # -- a model larger than one rank's memory ----------------------------------------------------
