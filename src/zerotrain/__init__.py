@@ -4,8 +4,11 @@ The public surface::
 
     engine, optimizer, dataloader, lr_scheduler = zerotrain.initialize(model=..., config=...)
     loss = engine(batch); engine.backward(loss); engine.step()
+
+Stage 3 extras: ``zerotrain.zero.Init`` and ``zerotrain.zero.GatheredParameters``.
 """
 
+from zerotrain import zero
 from zerotrain.comm.env import init_distributed
 from zerotrain.config.errors import ConfigError
 from zerotrain.config.loader import load_config
@@ -14,4 +17,12 @@ from zerotrain.engine.initialize import initialize
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "Engine", "__version__", "init_distributed", "initialize", "load_config"]
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "__version__",
+    "init_distributed",
+    "initialize",
+    "load_config",
+    "zero",
+]

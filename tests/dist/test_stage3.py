@@ -229,10 +229,16 @@ def _modify_on_rank_one() -> dict:
             weight.fill_(-1.0)  # not the modifier: dropped
     with zerotrain.zero.GatheredParameters(model.blocks[1].parameters()):
         seen = weight.detach().clone()
-    # Training still runs on the changed weights, identically on every rank.
     x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
-    engine.backward(engine(x, y))
-    engine.step()
+    # Inside the block one rank may run the model alone (no collectives, nothing freed).
+    with zerotrain.zero.GatheredParameters(model.parameters()), torch.no_grad():
+        if dist.get_rank() == 0:
+            model(x)
+            model(x)
+    # Training still runs on the changed weights, identically on every rank.
+    for _ in range(2):
+        engine.backward(engine(x, y))
+        engine.step()
     with zerotrain.zero.GatheredParameters(weight):
         after = weight.detach().clone()
     return {"released": released_shape, "whole": whole_shape, "seen": seen, "after": after}

@@ -11,7 +11,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``zerotrain demo``."""
     parser.add_argument("-n", "--nproc", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--steps", type=int, default=250, help="optimizer steps")
-    parser.add_argument("--stage", type=int, default=2, help="ZeRO stage (default 2)")
+    parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
     parser.add_argument("--out-dir", default="demo_out", help="where the plot and summary go")
 
 

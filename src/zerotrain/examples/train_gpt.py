@@ -29,7 +29,7 @@ from zerotrain.utils.memory import current_rss_bytes, format_bytes, peak_rss_byt
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=250, help="optimizer steps")
-    parser.add_argument("--stage", type=int, default=2, help="ZeRO stage (default 2)")
+    parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
     )
     model = GPT(cfg)
+    params = model.num_parameters()  # at stage 3 the model's own tensors are empty later
     train_bytes, val_bytes = split(load_corpus())
     dataset = ByteWindows(train_bytes, args.block_size, stride=args.block_size // 2)
     config = {
@@ -162,13 +163,15 @@ def main(argv: list[str] | None = None) -> None:
     val = _validation_loss(engine, val_bytes, args.block_size)
     peaks = _per_rank(engine, float(peak_rss_bytes()))
     breakdown = engine.memory_breakdown()
+    # Whole parameters on every rank (a collective at stage 3), so rank 0 can sample alone.
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        sample_bytes = generate(model, b"The ", 160, seed=args.seed) if rank0 else b""
     if not rank0:
         return
-    sample = generate(model, b"The ", 160, seed=args.seed).decode("utf-8", errors="replace")
+    sample = sample_bytes.decode("utf-8", errors="replace")
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = model.num_parameters()
     first = sum(losses[:10]) / min(10, len(losses))
     last = sum(losses[-10:]) / min(10, len(losses))
     lines = [

@@ -74,6 +74,7 @@ class ParamGatherer:
             serve_large_blocks_from_mmap()
         self._storage = [self._partitioned(u) for u in self.units]
         self._pending: dict[int, Handle] = {}
+        self._pins = [0] * len(self.units)  # GatheredParameters blocks holding each unit
         self._trace: list[int] = []  # units in the order the previous forward pass used them
         self._current: list[int] = []
         self._in_forward = 0
@@ -143,10 +144,20 @@ class ParamGatherer:
         self.comm.broadcast(full, src=src, purpose="parameters")
         storage.scatter_back()
 
+    def pin(self, u: int) -> None:
+        """Gather unit ``u`` and keep it gathered until ``unpin`` (hooks do not free it)."""
+        self.fetch(u)
+        self._pins[u] += 1
+
+    def unpin(self, u: int) -> None:
+        """End one ``pin`` of unit ``u`` (it stays gathered until something frees it)."""
+        invariant(self._pins[u] > 0, "unpin without pin")
+        self._pins[u] -= 1
+
     def free(self, u: int) -> None:
-        """Release unit ``u``'s gathered parameters (persistent units stay)."""
+        """Release unit ``u``'s gathered parameters (persistent and pinned units stay)."""
         storage = self._storage[u]
-        if self.units[u].persistent or not storage.gathered:
+        if self.units[u].persistent or self._pins[u] or not storage.gathered:
             return
         handle = self._pending.pop(u, None)
         if handle is not None:
@@ -214,7 +225,8 @@ class ParamGatherer:
         if u is not None:
             self._post(u, module, args, output)
         if self._in_forward == 0:
-            self._trace = self._current
+            if not any(self._pins):  # a pass inside GatheredParameters may run on one rank
+                self._trace = self._current
             self.free_all()  # prefetched units the pass did not use after all
 
     def _pre_backward(self, u: int, _grad: Any) -> None:

@@ -1,7 +1,9 @@
 """``zerotrain.zero.GatheredParameters``: whole stage-3 parameters inside a ``with`` block.
 
 Entering gathers every unit that holds one of the parameters (a collective: every rank must
-enter the block with the same parameters); leaving frees them again. With
+enter the block with the same parameters) and keeps them gathered through any forward pass
+inside the block (so one rank may run the model alone there, e.g. to generate a sample);
+leaving frees them again. With
 ``modifier_rank=r``, what rank r changed inside the block is broadcast and every rank keeps
 its slice of the new values. Parameters that are not partitioned (stages 0-2, or no engine
 at all) are left as they are, except that with ``modifier_rank`` rank r's values are
@@ -68,7 +70,7 @@ class GatheredParameters:
         # The same order on every rank, whatever order the parameters came in.
         for _, (gatherer, u) in sorted(seen.items(), key=lambda kv: kv[0][1]):
             was_gathered = gatherer.is_gathered(u)
-            gatherer.fetch(u)
+            gatherer.pin(u)  # a forward inside the block must not free them
             self._units.append((gatherer, u, was_gathered))
 
     def __exit__(
@@ -82,6 +84,7 @@ class GatheredParameters:
                 self._keep_changes(self.modifier_rank)
         finally:
             for gatherer, u, was_gathered in self._units:
+                gatherer.unpin(u)
                 if not was_gathered:
                     gatherer.free(u)
             self._units.clear()
