@@ -111,7 +111,7 @@ def test_an_init_that_reads_another_parameter_is_refused_by_name():
 # 32 blocks of 1.5M parameters: about 190 MB of fp32 parameters.
 LARGE = GPTConfig(block_size=16, n_layer=32, n_head=4, n_embd=352, bias=False)
 LARGE_BYTES = 4 * 47_700_000
-_M_ARENA_MAX = -8  # glibc mallopt parameter
+_M_ARENA_MAX, _M_MMAP_THRESHOLD = -8, -3  # glibc mallopt parameters
 
 
 def _virtual_bytes() -> int:
@@ -134,9 +134,13 @@ def _warm_up() -> None:
 def _train_under_limit(use_init: bool) -> str:
     init_distributed()
     _warm_up()
-    # RLIMIT_AS counts address space, and glibc reserves 64 MB of it for each thread's
-    # malloc arena; one arena keeps the limit about memory.
-    ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1)
+    # RLIMIT_AS counts address space, not memory: glibc reserves 64 MB of it for each
+    # thread's malloc arena, and keeps freed heap blocks mapped (resident memory stays flat
+    # from step to step, address space does not shrink). One arena, and large blocks mapped
+    # separately, keep the limit about memory.
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(_M_ARENA_MAX, 1)
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
     # This rank may grow its address space by 85% of the full model's fp32 parameters.
     budget = int(0.85 * LARGE_BYTES)
     resource.setrlimit(resource.RLIMIT_AS, (_virtual_bytes() + budget, resource.RLIM_INFINITY))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import resource
 import sys
 
@@ -44,24 +43,3 @@ def release_free_memory() -> None:
     """
     with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def serve_large_blocks_from_mmap() -> None:
-    """Make glibc map every allocation of 1 MiB or more separately (``mallopt``).
-
-    Stage 3 frees and reallocates each unit's gathered buffer around every use. With
-    glibc's default (a threshold that grows to 32 MiB), those blocks come from the heap, whose
-    freed holes fragment: resident memory and address space grew by about one model size per
-    step in our measurements, and an ``RLIMIT_AS`` was hit. Mapped blocks are returned to the
-    OS when freed. ``ZEROTRAIN_MMAP_THRESHOLD`` overrides the size (0: leave glibc alone).
-    """
-    raw = os.environ.get("ZEROTRAIN_MMAP_THRESHOLD")
-    threshold = MMAP_THRESHOLD_BYTES if raw is None else int(raw)
-    if threshold <= 0 or not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)

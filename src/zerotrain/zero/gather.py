@@ -30,7 +30,6 @@ from zerotrain.config.policies import Stage3Policy
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import invariant
-from zerotrain.utils.memory import serve_large_blocks_from_mmap
 from zerotrain.zero.gathered import HOME
 
 _HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
@@ -70,8 +69,6 @@ class ParamGatherer:
         self.units = list(units)
         self.comm = comm
         self.policy = policy
-        if comm.device.type == "cpu":
-            serve_large_blocks_from_mmap()
         self._storage = [self._partitioned(u) for u in self.units]
         self._pending: dict[int, Handle] = {}
         self._pins = [0] * len(self.units)  # GatheredParameters blocks holding each unit

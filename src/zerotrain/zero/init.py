@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from zerotrain.comm.collectives import broadcast_without_engine
 from zerotrain.comm.env import init_distributed
 from zerotrain.shard.partitioned import replace_storage
-from zerotrain.utils.memory import release_free_memory, serve_large_blocks_from_mmap
+from zerotrain.utils.memory import release_free_memory
 
 _RECIPE = "_zerotrain_recipe"  # on a parameter built by Init
 _TRACKED = "_zerotrain_view"  # on a meta tensor viewing such a parameter: (recipe, chain)
@@ -248,7 +248,6 @@ class Init:
         if not self.enabled:
             return self
         env = init_distributed()
-        serve_large_blocks_from_mmap()  # one parameter after another would fragment the heap
         state = torch.get_rng_state()
         if env.rank != 0:
             self._own_rng = state.clone()
