@@ -213,12 +213,17 @@ def test_reused_module_tied_and_loose_parameters_and_eval_match_stage0():
 # -- GatheredParameters -----------------------------------------------------------------------
 
 
-def _modify_on_rank_one() -> dict:
-    spec = RunSpec(steps=2, grad_accum=1, stage=3)
+def _tiny_stage3_engine(steps: int) -> tuple[RunSpec, nn.Module, zerotrain.Engine]:
+    spec = RunSpec(steps=steps, grad_accum=1, stage=3)
     model = make_model(spec)
     config = zerotrain_config(spec, dist.get_world_size())
     config["zero_optimization"] = NO_PERSISTENCE
     engine, *_ = zerotrain.initialize(model=model, config=config)
+    return spec, model, engine
+
+
+def _modify_on_rank_one() -> dict:
+    spec, model, engine = _tiny_stage3_engine(steps=2)
     weight = model.blocks[1].mlp.fc.weight
     released_shape = tuple(weight.shape)
     with zerotrain.zero.GatheredParameters([weight], modifier_rank=1), torch.no_grad():
@@ -274,11 +279,7 @@ def test_a_rank_skipping_a_block_fails_on_every_rank_naming_the_unit(shared_memo
 
 
 def _skip_gather_on_rank_one() -> None:
-    spec = RunSpec(steps=1, grad_accum=1, stage=3)
-    model = make_model(spec)
-    config = zerotrain_config(spec, dist.get_world_size())
-    config["zero_optimization"] = NO_PERSISTENCE
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+    spec, model, engine = _tiny_stage3_engine(steps=1)
     blocks = model.blocks
     if dist.get_rank() == 1:
         # A model whose forward skips a block on one rank (e.g. a data-dependent branch).
@@ -301,11 +302,7 @@ def _skip_gather_on_rank_one() -> None:
 
 
 def _blocks_in_another_order_on_rank_one() -> None:
-    spec = RunSpec(steps=1, grad_accum=1, stage=3)
-    model = make_model(spec)
-    config = zerotrain_config(spec, dist.get_world_size())
-    config["zero_optimization"] = NO_PERSISTENCE
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+    spec, model, engine = _tiny_stage3_engine(steps=1)
     if dist.get_rank() == 1:
         model.blocks = nn.ModuleList([model.blocks[1], model.blocks[0]])
     x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
