@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import zerotrain
 from tests.helpers.training import (
+    TINY,
     RunSpec,
     assert_matches,
     global_batches,
@@ -25,6 +27,7 @@ from tests.helpers.training import (
     train_zerotrain,
     zerotrain_config,
 )
+from zerotrain.examples.gpt import GPT
 from zerotrain.testing.dist import DistributedTestError, run_distributed
 
 ADAM = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}  # see test_stage0.OPTIMIZERS
@@ -208,6 +211,47 @@ def test_reused_module_tied_and_loose_parameters_and_eval_match_stage0():
         assert max(abs(x - y) for x, y in zip(a["evals"], b["evals"])) < 1e-5
         for name, value in a["params"].items():
             torch.testing.assert_close(b["params"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+class CheckpointedGPT(GPT):
+    """The tiny GPT with every block under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train_checkpointed(stage: int) -> list[float]:
+    torch.manual_seed(0)
+    model = CheckpointedGPT(TINY)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    spec = RunSpec(steps=3, micro_batch=2, grad_accum=2)
+    batches = global_batches(spec, 2)
+    losses = []
+    for step in range(spec.steps):
+        for micro in range(2):
+            x, y = micro_batch(batches, spec, step, micro, dist.get_rank(), 2)
+            losses.append(engine.backward(engine(x, y)).item())
+            engine.step()
+    return losses
+
+
+def test_activation_checkpointing_under_stage3_matches_stage0():
+    # Recomputing a block inside backward runs its forward hooks again; the unit must stay
+    # gathered for the backward that follows instead of being freed by them.
+    stage0 = run_distributed(_train_checkpointed, 2, 0)
+    stage3 = run_distributed(_train_checkpointed, 2, 3)
+    for a, b in zip(stage0, stage3):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
 
 
 # -- GatheredParameters -----------------------------------------------------------------------

@@ -202,6 +202,10 @@ class ParamGatherer:
         self._prefetch(self._after_in_trace(u, +1))
 
     def _post(self, u: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch._C._current_autograd_node() is not None:
+            # A forward recomputed inside backward (activation checkpointing): its backward
+            # follows at once, so the unit stays gathered until its gradients are done.
+            return
         if torch.is_grad_enabled():
             wanted = [t for t in _tensors(output) if t.requires_grad]
             if wanted:
