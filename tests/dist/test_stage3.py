@@ -4,6 +4,7 @@ ranks that take different code paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -366,3 +367,135 @@ def test_gathers_that_match_in_size_but_not_in_unit_are_caught_at_the_step():
         assert f"rank {rank} of 2 raised" in message
     assert message.count("DivergedRanksError") >= 2
     assert "in a different order" in message
+
+
+# -- review regressions: routing, frozen blocks, pinned training, containers, aux outputs ----
+
+
+@dataclasses.dataclass
+class BlockOut:
+    hidden: torch.Tensor
+
+
+class Routed(nn.Module):
+    """Two experts; ``both`` is switched per rank (MoE-style routing), so one rank leaves an
+    expert's parameters without a gradient while the other uses them."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.both = True
+
+    def forward(self, x: torch.Tensor) -> BlockOut:  # a dataclass output, traversed too
+        return BlockOut(torch.tanh(self.a(x) + self.b(x) if self.both else self.a(x)))
+
+
+class RoutedNet(nn.Module):
+    def __init__(self, width: int = 8, frozen_bias: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(Routed(width) for _ in range(4))
+        self.out = nn.Linear(width, 1)
+        if frozen_bias:  # a frozen parameter in every block (as in partial fine-tuning)
+            for block in self.blocks:
+                block.a.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h).hidden
+        return F.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def _train_routed(stage: int, route_on_rank1: bool, frozen: bool, pinned: bool) -> dict:
+    torch.manual_seed(0)
+    model = RoutedNet(frozen_bias=frozen)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        # A prefetch window of one block, so units are gathered and freed one by one.
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 100,
+        },
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    if route_on_rank1 and dist.get_rank() == 1:
+        for block in model.blocks:
+            block.both = False
+    gen = torch.Generator().manual_seed(2)
+    xs, ys = torch.randn(3, 4, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    rank = dist.get_rank()
+    held = zerotrain.zero.GatheredParameters(model.blocks[0].parameters()) if pinned else None
+    if held is not None:
+        held.__enter__()
+    losses = []
+    for step in range(3):
+        loss = engine(xs[step, 2 * rank : 2 * rank + 2], ys[step, 2 * rank : 2 * rank + 2])
+        losses.append(engine.backward(loss).item())
+        engine.step()
+    if held is not None:
+        held.__exit__(None, None, None)
+    gathered = engine.strategy.gathered_bytes()[1]  # before everything is gathered below
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "gathered_peak": gathered}
+
+
+@pytest.mark.parametrize(
+    ("route", "frozen", "pinned"),
+    [(True, False, False), (False, True, False), (False, False, True)],
+    ids=["expert-unused-on-one-rank", "frozen-bias-per-block", "training-inside-gathered"],
+)
+def test_stage3_edge_cases_match_stage0(route, frozen, pinned):
+    stage0 = run_distributed(_train_routed, 2, 0, route, frozen, pinned, comm_timeout=20)
+    stage3 = run_distributed(_train_routed, 2, 3, route, frozen, pinned, comm_timeout=20)
+    for a, b in zip(stage0, stage3):
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-6
+        for name, value in a["params"].items():
+            torch.testing.assert_close(b["params"][name], value, rtol=0, atol=1e-6, msg=name)
+    if frozen:
+        # Blocks with a frozen parameter are freed when their backward ends, not at the end
+        # of the pass: at most the root, the block in use and one prefetched are gathered.
+        block = 4 * (2 * (8 * 8 + 8))
+        assert stage3[0]["gathered_peak"] <= 3 * block + 4 * (4 * 8 + 8 + 8 + 1) + 64
+
+
+class AuxBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gate = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.fc(x))
+        # A router loss on the block's output: it reaches the loss outside the returned
+        # tensor, and its backward runs before the gradient of that tensor is complete.
+        self.aux = self.gate(out).pow(2).mean()
+        return out
+
+
+class AuxNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(AuxBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean() + sum(b.aux for b in self.blocks)
+
+
+def _aux_loss_outside_outputs() -> None:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
+    engine, *_ = zerotrain.initialize(model=AuxNet(), config=config)
+    engine.backward(engine(torch.randn(2, 8)))
+
+
+def test_a_loss_that_bypasses_a_units_outputs_gets_an_explanation():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_aux_loss_outside_outputs, 2, comm_timeout=20)
+    assert str(info.value).count("without passing through the module's returned outputs") == 2

@@ -56,3 +56,21 @@ def test_heterogeneous_lists_and_single_children_are_not_blocks():
     assert blocks == []
     assert root is not None
     assert len(root.params) == 4
+
+
+def test_lists_of_containers_are_searched_not_made_units():
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = nn.ModuleDict({"fc": nn.Linear(2, 2), "gate": nn.Linear(2, 1)})
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.ModuleDict({"fc": nn.Linear(2, 2)}) for _ in range(3))
+    model.stack = nn.ModuleList(Layer() for _ in range(2))
+    blocks, _ = plan_module_units(model)
+    assert [b.name for b in blocks] == ["stack.0", "stack.1"]  # ModuleDicts are never called
+
+
+def test_naming_the_models_own_class_is_explained():
+    with pytest.raises(ValueError, match="names the model's own class 'GPT'"):
+        plan_module_units(GPT(TINY), ["GPT"])

@@ -37,6 +37,15 @@ from zerotrain.zero.strategy import ZeroStrategy
 
 log = get_logger(__name__)
 
+_RELEASED_IN_BACKWARD = (
+    "backward needed parameters of a ZeRO stage-3 unit that was already released: a tensor "
+    "computed from a unit's parameters reached the loss without passing through the module's "
+    "returned outputs (e.g. an auxiliary loss stored on the module as an attribute), so "
+    "nothing told zerotrain to gather the unit for its backward. Return such tensors from "
+    "the module's forward, or list a larger enclosing module in "
+    "zero_optimization.stage3_unit_classes"
+)
+
 
 class Engine(nn.Module):
     """Wraps a model for data-parallel training; built by :func:`zerotrain.initialize`.
@@ -110,9 +119,11 @@ class Engine(nn.Module):
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
         try:
             (loss / gas if gas > 1 else loss).backward(retain_graph=retain_graph)
-        except BaseException:
+        except BaseException as exc:
             self.strategy.abort_backward()
             self.micro_steps -= self.micro_steps % gas  # the window starts over
+            if self.policy.stage == 3 and "storage of size 0" in str(exc):
+                raise RuntimeError(_RELEASED_IN_BACKWARD) from exc
             raise
         self.strategy.end_backward()
         self._window_losses.append(loss.detach())

@@ -218,7 +218,8 @@ class ShardedUnit:
         """After an optimizer step: all-gather the updated slices so every rank holds whole
         parameters (stages 1-2, and stage-3 units that stay gathered)."""
         if isinstance(self.buffer, PartitionedParams):
-            if self.persistent and self.buffer.gathered:
+            # Gathered at step time: a persistent unit, or one held by GatheredParameters.
+            if self.buffer.gathered:
                 return self.buffer.refresh(self.comm, self.label)
             return None
         if not self.zero.shard_optimizer:

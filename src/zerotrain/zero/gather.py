@@ -17,12 +17,14 @@ exchanging the wrong parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm.collectives import Communicator, Handle
@@ -45,6 +47,24 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict) or hasattr(value, "items"):
         for item in value.values():
             yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name))
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module call's inputs; its backward (after every node of the module's
+    backward for that call, having been created before all of them) reports the call done."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.done()
+        return (None, *grads)
 
 
 class ParamGatherer:
@@ -77,6 +97,13 @@ class ParamGatherer:
         self._in_forward = 0
         self.counts = [0] * len(self.units)
         self.sequence_hash = 0
+        # Backward bookkeeping: calls whose inputs carry a post-backward signal, the signals
+        # received, and the callback told when a unit's backward is over (on every rank at
+        # the same point of the same graph, unlike "every gradient arrived", which a
+        # parameter unused on one rank changes).
+        self._calls = [0] * len(self.units)
+        self._signals = [0] * len(self.units)
+        self.on_backward_done: Callable[[int], None] | None = None
         self.live_bytes = 0
         self.peak_bytes = 0
         self._hooks: list[RemovableHandle] = []
@@ -84,11 +111,14 @@ class ParamGatherer:
         for u, module in enumerate(modules):
             if module is root:
                 continue
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre, u)))
-            self._hooks.append(module.register_forward_hook(functools.partial(self._post, u)))
-        pre, post = (functools.partial(f, root_unit) for f in (self._root_pre, self._root_post))
-        self._hooks.append(root.register_forward_pre_hook(pre))
-        self._hooks.append(root.register_forward_hook(post))
+            pre = functools.partial(self._pre, u)
+            self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            post = functools.partial(self._post, u)
+            self._hooks.append(module.register_forward_hook(post, always_call=True))
+        root_pre = functools.partial(self._root_pre, root_unit)
+        self._hooks.append(root.register_forward_pre_hook(root_pre, with_kwargs=True))
+        root_post = functools.partial(self._root_post, root_unit)
+        self._hooks.append(root.register_forward_hook(root_post, always_call=True))
         for u, storage in enumerate(self._storage):
             for param in storage.params:
                 setattr(param, HOME, (self, u))  # found by GatheredParameters
@@ -195,11 +225,46 @@ class ParamGatherer:
 
     # -- hooks ----------------------------------------------------------------------------------
 
-    def _pre(self, u: int, _module: nn.Module, _args: Any) -> None:
+    def _pre(
+        self, u: int, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.fetch(u)
         if u not in self._current:
             self._current.append(u)
         self._prefetch(self._after_in_trace(u, +1))
+        if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+            return None
+        return self._signal_after_backward(u, args, kwargs)
+
+    def _signal_after_backward(
+        self, u: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Route the call's inputs through a node whose backward runs once the gradients
+        with respect to them are computed: the module's backward for this call is over."""
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not where:
+            return None  # no signal from this call: its unit is done at the end of backward
+        self._calls[u] += 1
+        marked = _PostBackward.apply(
+            functools.partial(self._post_backward, u), *[flat[i] for i in where]
+        )
+        for i, tensor in zip(where, marked, strict=True):
+            flat[i] = tensor
+        new_args, new_kwargs = tree_unflatten(flat, spec)
+        return new_args, new_kwargs
+
+    def _post_backward(self, u: int) -> None:
+        self._signals[u] += 1
+        if self._signals[u] == self._calls[u]:
+            self.free(u)
+            if self.on_backward_done is not None:
+                self.on_backward_done(u)
+
+    def end_backward(self) -> None:
+        """The backward pass is over: forget its calls and signals."""
+        self._calls = [0] * len(self.units)
+        self._signals = [0] * len(self.units)
 
     def _post(self, u: int, _module: nn.Module, _args: Any, output: Any) -> None:
         if torch._C._current_autograd_node() is not None:
@@ -214,12 +279,13 @@ class ParamGatherer:
                 )
         self.free(u)
 
-    def _root_pre(self, u: int | None, module: nn.Module, args: Any) -> None:
+    def _root_pre(
+        self, u: int | None, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self._in_forward += 1
         if self._in_forward == 1:
             self._current = []
-        if u is not None:
-            self._pre(u, module, args)
+        return self._pre(u, module, args, kwargs) if u is not None else None
 
     def _root_post(self, u: int | None, module: nn.Module, args: Any, output: Any) -> None:
         self._in_forward -= 1

@@ -36,6 +36,11 @@ class GradientSynchronizer:
         every_micro_step: reduce on every micro-step, not only at the boundary (stages 2-3).
         on_complete: called with a unit's index once every trainable parameter of it got its
             gradient in this backward pass (stage 3 frees the unit's parameters then).
+        launch_when_complete: launch a unit's reduction as soon as its gradients are all in
+            (stages 0-2). Stage 3 instead launches on ``mark_done``, when the unit's module
+            finished its backward: gathers run in the same stream of collectives, and
+            "all gradients arrived" differs between ranks when a parameter is unused on one
+            of them, which would interleave reductions and gathers differently per rank.
     """
 
     def __init__(
@@ -44,11 +49,14 @@ class GradientSynchronizer:
         overlap: bool,
         every_micro_step: bool,
         on_complete: Callable[[int], None] | None = None,
+        launch_when_complete: bool = True,
     ) -> None:
         self.units = list(units)
         self.overlap = overlap
         self.every_micro_step = every_micro_step
         self.on_complete = on_complete
+        self.launch_when_complete = launch_when_complete
+        self._done = [False] * len(self.units)
         self._remaining = [0] * len(self.units)
         self._ready: list[set[int]] = [set() for _ in self.units]
         self._next = 0
@@ -71,6 +79,7 @@ class GradientSynchronizer:
         for u, unit in enumerate(self.units):
             self._remaining[u] = sum(unit.trainable)
             self._ready[u].clear()
+            self._done[u] = False
 
     def _on_grad(self, u: int, i: int, _param: torch.Tensor) -> None:
         unit = self.units[u]
@@ -88,7 +97,16 @@ class GradientSynchronizer:
         self._remaining[u] -= 1
         if self._remaining[u] == 0 and self.on_complete is not None:
             self.on_complete(u)
-        while self._next < len(self.units) and self._remaining[self._next] == 0:
+        if self.launch_when_complete:
+            while self._next < len(self.units) and self._remaining[self._next] == 0:
+                self._launch_next()
+
+    def mark_done(self, u: int) -> None:
+        """Unit ``u``'s module finished its backward: launch, in unit order, what is done."""
+        if not self._syncing:
+            return
+        self._done[u] = True
+        while self._next < len(self.units) and self._done[self._next]:
             self._launch_next()
 
     def _acquire_staging(self, pool: StagingPool | None) -> torch.Tensor:

@@ -44,14 +44,19 @@ class ModuleUnit:
         return sum(p.numel() for _, p in self.params)
 
 
+def _runs_forward(module: nn.Module) -> bool:
+    """Whether the module is called (ModuleList and ModuleDict are containers only)."""
+    return not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
 def _repeated_children(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         return None
     children = list(module.named_children())
     if len(children) < 2 or len({type(c) for _, c in children}) != 1:
         return None
-    if not any(True for _ in children[0][1].parameters()):
-        return None
+    if not _runs_forward(children[0][1]) or not any(True for _ in children[0][1].parameters()):
+        return None  # a list of containers: look inside them instead
     return children
 
 
@@ -70,7 +75,7 @@ def find_blocks(
     def visit_classes(prefix: str, module: nn.Module, wanted: Sequence[str]) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if type(child).__name__ in wanted:
+            if type(child).__name__ in wanted and _runs_forward(child):
                 found.append((path, child))
             else:
                 visit_classes(f"{path}.", child, wanted)
@@ -99,6 +104,12 @@ def plan_module_units(
     Raises:
         ValueError: ``classes`` names no module of the model.
     """
+    if classes is not None and type(model).__name__ in classes:
+        raise ValueError(
+            f"zero_optimization.stage3_unit_classes names the model's own class "
+            f"'{type(model).__name__}': the whole model is the root unit already; name the "
+            "classes of its repeated blocks"
+        )
     blocks = find_blocks(model, classes)
     if classes is not None and not blocks:
         present = sorted({type(m).__name__ for m in model.modules()})

@@ -97,7 +97,10 @@ class ZeroStrategy:
             overlap=bool(reduce.overlap),
             every_micro_step=zero.shard_gradients,
             on_complete=self._unit_complete if self.gatherer is not None else None,
+            launch_when_complete=self.gatherer is None,
         )
+        if self.gatherer is not None:
+            self.gatherer.on_backward_done = self.sync.mark_done
         self._boundary = False
         self._used: tuple[torch.Tensor, Handle] | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
@@ -120,8 +123,9 @@ class ZeroStrategy:
         self.sync.begin_backward(boundary)
 
     def _unit_complete(self, u: int) -> None:
-        # Every gradient of the unit is accumulated, so autograd is done with its parameters.
-        # A frozen parameter gives no such signal: units holding one wait for the end.
+        # Every gradient of the unit is accumulated, so autograd is done with its parameters
+        # (a local decision: freeing needs no collective). Units holding frozen parameters
+        # are freed when their module's backward is over (ParamGatherer).
         if all(self.units[u].trainable) and self.gatherer is not None:
             self.gatherer.free(u)
 
@@ -130,6 +134,7 @@ class ZeroStrategy:
         self.sync.launch_remaining()
         if self.gatherer is not None:
             self.gatherer.free_all()
+            self.gatherer.end_backward()
         if self._boundary:
             # Which parameters got a gradient is known now; exchanging it here runs behind
             # the gradient reductions instead of adding a round trip to the step.
@@ -143,6 +148,7 @@ class ZeroStrategy:
         finally:
             if self.gatherer is not None:
                 self.gatherer.free_all()
+                self.gatherer.end_backward()
 
     def zero_grads(self) -> None:
         """Zero every gradient in place (reduction state is kept)."""
