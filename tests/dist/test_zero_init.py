@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import resource
 
@@ -27,13 +28,24 @@ class Padded(nn.Module):
         self.norm = nn.Parameter(torch.ones(6) * 2)  # a constant from a real tensor
         self.table = nn.Parameter(torch.arange(12.0).view(2, 6))  # not a constant
         self.lin = nn.Linear(6, 6)
-        nn.init.trunc_normal_(self.lin.weight, std=0.1)  # several in-place steps
+        nn.init.trunc_normal_(self.lin.weight, std=0.1)  # rejection sampling, recorded whole
         with torch.no_grad():
             self.lin.weight.data[:, 0].mul_(3.0)  # reads the previous values
             self.lin.bias.copy_(torch.linspace(0, 1, 6))
+        self.qkv = nn.Linear(6, 12)
+        for i, piece in enumerate(self.qkv.weight.data.chunk(3)):  # views in a tuple
+            nn.init.constant_(piece, float(i))
+        own = torch.Generator().manual_seed(5)
+        nn.init.normal_(self.qkv.bias, generator=own)  # the user's own generator
+        self.copies = nn.ModuleList(copy.deepcopy(self.lin) for _ in range(2))  # clones
+        with torch.no_grad():
+            self.copies[1].weight.unbind(0)[0].fill_(9.0)
+        self.snapshot = nn.Parameter(self.lin.weight.detach().clone())
 
 
 def _build(kind: str) -> nn.Module:
+    if kind == "f64":  # a cast inside Init
+        return nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).to(torch.float64)
     return GPT(SMALL) if kind == "gpt" else Padded()
 
 
@@ -54,7 +66,7 @@ def _values_from_init(kind: str) -> dict:
     return {"params": params, "after": after}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "padded"])
+@pytest.mark.parametrize("kind", ["gpt", "padded", "f64"])
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_init_gives_the_values_of_normal_construction_on_every_world_size(kind, world_size):
     torch.manual_seed(1)
@@ -99,6 +111,34 @@ def _build_copies() -> None:
             Copies()
     finally:
         assert nn.Parameter(torch.ones(2)).device.type == "cpu"  # the context was undone
+
+
+class OutKeyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        with torch.no_grad():
+            torch.mul(self.a.weight, 0.5, out=self.a.weight)
+
+
+def _build_out_keyword() -> None:
+    with zerotrain.zero.Init():
+        OutKeyword()
+
+
+def _weight_norm_at_stage3() -> None:
+    with zerotrain.zero.Init():
+        model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)))
+    zerotrain.initialize(
+        model=model, config={"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    )
+
+
+def test_inits_that_cannot_be_replayed_are_refused_with_the_reason():
+    with pytest.raises(DistributedTestError, match=r"cannot record .*mul with out="):
+        run_distributed(_build_out_keyword, 1)
+    with pytest.raises(DistributedTestError, match=r"could not record.*weight_norm"):
+        run_distributed(_weight_norm_at_stage3, 1)
 
 
 def test_an_init_that_reads_another_parameter_is_refused_by_name():

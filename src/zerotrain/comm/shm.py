@@ -153,10 +153,10 @@ class ShmArena:
         """
         self._entered += 1
         which = self._entered % 2
-        encoded = signature.encode()[: _NOTE - 1]
+        encoded = signature.encode()
         start = self._note_start(self.rank, which)
-        self._buf[start : start + _NOTE] = encoded.ljust(_NOTE, b"\0")
-        self._control[self.rank, 2 + which] = zlib.crc32(encoded)
+        self._buf[start : start + _NOTE] = encoded[: _NOTE - 1].ljust(_NOTE, b"\0")
+        self._control[self.rank, 2 + which] = zlib.crc32(encoded)  # all of it, not the note
         self.barrier(signature)
         codes = self._control[:, 2 + which]
         if int(codes.min()) != int(codes.max()):

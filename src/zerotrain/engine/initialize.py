@@ -146,13 +146,13 @@ def initialize(
     if values is None:
         model.to(env.device)
     else:
-        for buffer in model.buffers():
-            buffer.data = buffer.data.to(env.device)
+        for tensor in [*model.buffers(), *(p for p in model.parameters() if not p.is_meta)]:
+            tensor.data = tensor.data.to(env.device)
     _check_not_wrapped(model)
     _check_same_model(comm, model)
     with torch.no_grad():
-        # A model from zero.Init needs no broadcast: every rank replays rank 0's recipe.
-        params = [p.data for p in model.parameters()] if values is None else []
+        # Parameters from zero.Init need no broadcast: every rank replays rank 0's recipe.
+        params = [p.data for p in model.parameters() if not p.is_meta]
         broadcast_tensors(comm, params + list(model.buffers()), _INIT_BUCKET_NUMEL, src=0)
 
     if model_parameters is not None:

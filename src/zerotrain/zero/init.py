@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -51,11 +52,15 @@ class Op:
     kwargs: dict[str, Any]
     key: str | None = None
 
-    def run(self, tensor: torch.Tensor) -> Any:
-        """Call ``func`` on ``tensor``."""
+    def run(self, tensor: Any, live: bool = False) -> Any:
+        """Call ``func`` on ``tensor`` (``live``: the recording run, which draws from the
+        user's generator itself; a replay draws from a copy of its recorded state)."""
+        kwargs = {
+            k: (v.resolve(live) if isinstance(v, _Replay) else v) for k, v in self.kwargs.items()
+        }
         if self.key is None:
-            return self.func(tensor, *self.args, **self.kwargs)
-        return self.func(*self.args, **{self.key: tensor}, **self.kwargs)
+            return self.func(tensor, *self.args, **kwargs)
+        return self.func(*self.args, **{self.key: tensor}, **kwargs)
 
     @property
     def name(self) -> str:
@@ -64,6 +69,32 @@ class Op:
 
 
 Chain = tuple[Op, ...]
+
+
+class _Replay:
+    """A ``generator=`` argument: the user's generator and its state before the op."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self.state = generator.get_state()
+
+    def resolve(self, live: bool) -> torch.Generator:
+        if live:
+            return self.generator
+        copy = torch.Generator(device=self.generator.device)
+        copy.set_state(self.state)
+        return copy
+
+
+@dataclass(frozen=True)
+class _Derived:
+    """The value of another parameter (at the time of a ``clone``), through a view chain."""
+
+    source: Recipe
+    chain: Chain
+
+    def replay(self) -> torch.Tensor:
+        return _apply_chain(self.source.replay(), self.chain)
 
 
 def _apply_chain(tensor: torch.Tensor, chain: Chain) -> torch.Tensor:
@@ -99,22 +130,44 @@ class Recipe:
     """How to compute one parameter: its initial data, then the in-place operations applied
     to it (each with the random-generator state it started from, when it drew numbers)."""
 
-    def __init__(self, initial: torch.Tensor, scratch: _Scratch) -> None:
-        self.shape = tuple(initial.shape)
-        self.dtype = initial.dtype
+    def __init__(
+        self,
+        initial: torch.Tensor | _Derived,
+        scratch: _Scratch,
+        shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.scratch = scratch
-        self.initial: torch.Tensor | float | None = None
-        if initial.numel() > 0:
-            low, high = initial.aminmax() if initial.is_floating_point() else (0, 1)
-            constant = bool(low == high)  # ones, zeros, a fill (the usual norm weights)
-            self.initial = float(low) if constant else initial.detach().clone()
+        # A non-constant initial tensor is kept whole until the parameter is partitioned
+        # (``nn.Parameter(torch.randn(...))`` has no recipe shorter than its values).
+        self.initial: torch.Tensor | float | _Derived | None = None
+        if isinstance(initial, _Derived):
+            self.shape, self.dtype = shape or (), dtype or torch.float32
+            self.initial = initial
+        else:
+            self.shape, self.dtype = tuple(initial.shape), initial.dtype
+            if initial.numel() > 0:
+                low, high = initial.aminmax() if initial.is_floating_point() else (0, 1)
+                constant = bool(low == high)  # ones, zeros, a fill (the usual norm weights)
+                self.initial = float(low) if constant else initial.detach().clone()
         self.ops: list[tuple[Chain, Op, torch.Tensor | None]] = []
+
+    def snapshot(self) -> Recipe:
+        """A copy that later operations on this parameter do not change."""
+        copy = Recipe.__new__(Recipe)
+        copy.__dict__.update(self.__dict__)
+        copy.ops = list(self.ops)
+        return copy
 
     def record(self, chain: Chain, op: Op) -> None:
         """Note ``op`` (applied to the view ``chain``) and draw the random numbers it draws."""
         state = torch.get_rng_state()
+        generator = op.kwargs.get("generator")
+        if isinstance(generator, torch.Generator):
+            # Replay must draw what this op draws now, from a copy of the generator.
+            op = Op(op.func, op.args, {**op.kwargs, "generator": _Replay(generator)}, op.key)
         with torch.no_grad():
-            op.run(_apply_chain(self.scratch.get(self.shape, self.dtype), chain))
+            op.run(_apply_chain(self.scratch.get(self.shape, self.dtype), chain), live=True)
         drew = not torch.equal(torch.get_rng_state(), state)
         whole = all(step.func in _IDENTITY_VIEWS for step in chain)
         if whole and op.name in _OVERWRITES:
@@ -128,6 +181,8 @@ class Recipe:
         with torch.no_grad():
             if isinstance(self.initial, torch.Tensor):
                 full.copy_(self.initial)
+            elif isinstance(self.initial, _Derived):
+                full.copy_(self.initial.replay())
             elif self.initial is not None:
                 full.fill_(self.initial)
             for chain, op, state in self.ops:
@@ -167,6 +222,13 @@ def _describe(func: Callable[..., Any]) -> str:
     return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
 
 
+_CLONES = (torch.Tensor.clone, torch.clone)
+
+
+def _views(tensor: torch.Tensor, storage: int) -> bool:
+    return tensor.device.type == "meta" and tensor.untyped_storage()._cdata == storage
+
+
 class _RecordMode(TorchFunctionMode):
     """Turns in-place operations on Init-built parameters into recipe entries."""
 
@@ -190,6 +252,16 @@ class _RecordMode(TorchFunctionMode):
         rest = tuple(args) if key is not None else tuple(args[1:])
         kwargs = {k: v for k, v in kwargs.items() if k != key}
         op = Op(func, rest, kwargs, key)
+        if isinstance(kwargs.get("out"), torch.Tensor) and kwargs["out"].device.type == "meta":
+            raise NotImplementedError(
+                f"zerotrain.zero.Init cannot record {_describe(func)} with out=: write the "
+                "result into the parameter with an in-place method (e.g. mul_) instead"
+            )
+        if func in _CLONES:
+            out = func(*args, **kwargs)
+            copy = Recipe(_Derived(recipe.snapshot(), chain), recipe.scratch, out.shape, out.dtype)
+            setattr(out, _TRACKED, (copy, ()))
+            return out
         if _is_in_place(func):
             for value in (*rest, *kwargs.values()):  # what the op reads besides the target
                 if isinstance(value, torch.Tensor) and value.device.type == "meta":
@@ -203,12 +275,13 @@ class _RecordMode(TorchFunctionMode):
             recipe.record(chain, Op(func, copied, kwargs, key))
             return target
         out = op.run(target)
-        if (
-            isinstance(out, torch.Tensor)
-            and out.device.type == "meta"
-            and out.untyped_storage()._cdata == target.untyped_storage()._cdata
-        ):
+        storage = target.untyped_storage()._cdata
+        if isinstance(out, torch.Tensor) and _views(out, storage):
             setattr(out, _TRACKED, (recipe, (*chain, op)))
+        elif isinstance(out, (tuple, list)):  # chunk, split, unbind: one view per piece
+            for i, piece in enumerate(out):
+                if isinstance(piece, torch.Tensor) and _views(piece, storage):
+                    setattr(piece, _TRACKED, (recipe, (*chain, op, Op(operator.getitem, (i,), {}))))
         return out
 
 
@@ -315,21 +388,57 @@ def _new_parameter(
     init: Init, cls: type, data: torch.Tensor | None = None, requires_grad: bool = True
 ) -> Any:
     if data is not None and data.device.type == "meta":
-        return init._new(cls, data, requires_grad)  # already without values (e.g. copied)
+        tag = getattr(data, _TRACKED, None)
+        if tag is None:
+            return init._new(cls, data, requires_grad)  # no recipe: refused by initialize
+        recipe, chain = tag
+        if chain:  # a view of another parameter, e.g. nn.Parameter(w[0]): a copy of it
+            recipe = Recipe(
+                _Derived(recipe.snapshot(), chain), recipe.scratch, data.shape, data.dtype
+            )
+        param = init._new(cls, data, requires_grad)
+        setattr(param, _RECIPE, recipe)
+        setattr(param, _TRACKED, (recipe, ()))
+        init._params.append(param)
+        return param
     return init._create(cls, data, requires_grad)
 
 
+def _value(param: nn.Parameter) -> torch.Tensor:
+    recipe = getattr(param, _RECIPE, None)
+    if recipe is not None:
+        return recipe.replay().to(param.dtype)  # a cast inside Init (.half()) is kept
+    if param.is_meta:
+        raise NotImplementedError(
+            f"a parameter of shape {tuple(param.shape)} was built inside zerotrain.zero.Init "
+            "from values it could not record (computed from other parameters, e.g. "
+            "weight_norm); build that module outside zero.Init"
+        )
+    return param.detach()  # an ordinary parameter, added after Init
+
+
 def deferred_values(model: nn.Module) -> Callable[[nn.Parameter], torch.Tensor] | None:
-    """How to compute the values of a model built by ``Init`` (None for an ordinary model)."""
-    if not any(hasattr(p, _RECIPE) for p in model.parameters()):
+    """How to compute the values of a model built by ``Init`` (None for an ordinary model).
+
+    Raises:
+        NotImplementedError: a parameter built inside Init has no recipe (named).
+    """
+    params = dict(model.named_parameters())
+    if not any(p.is_meta for p in params.values()):
         return None
-    return lambda param: getattr(param, _RECIPE).replay()
+    missing = [n for n, p in params.items() if p.is_meta and not hasattr(p, _RECIPE)]
+    if missing:
+        raise NotImplementedError(
+            f"parameters {missing} were built inside zerotrain.zero.Init from values it could "
+            "not record (computed from other parameters, e.g. weight_norm); build those "
+            "modules outside zero.Init"
+        )
+    return _value
 
 
 def materialize(model: nn.Module) -> None:
     """Give every parameter of a model built by ``Init`` its full value (for stages 0-2)."""
     with torch.no_grad():
         for param in model.parameters():
-            recipe = getattr(param, _RECIPE, None)
-            if recipe is not None:
-                replace_storage(param, recipe.replay())  # the recipe leaves with the old data
+            if param.is_meta:
+                replace_storage(param, _value(param))  # the recipe leaves with the old data
