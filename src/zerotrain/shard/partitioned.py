@@ -1,8 +1,10 @@
 """Stage-3 parameter storage: this rank's slice of a unit's flat buffer lives permanently;
 the whole buffer exists only while the unit is gathered.
 
-Between uses every parameter of the unit is an empty tensor (shape ``(0,)``), so code that
-touches a parameter of a released unit fails loudly instead of computing with stale values.
+Between uses every parameter of the unit is an empty tensor (shape ``(0,)``): a layer that
+uses a parameter of a released unit fails with a shape error instead of computing with stale
+values (a reduction over it, such as an L2 penalty summed outside the model, sees an empty
+tensor; use ``GatheredParameters`` there).
 
 The whole buffer is one tensor for the unit's lifetime whose *storage* is freed (resized to
 zero bytes) on release and reallocated on the next gather. Autograd keeps views of
