@@ -222,21 +222,25 @@ class Communicator:
         op: str,
         purpose: str,
         payload: torch.Tensor,
-        call: Callable[[], dist.Work | Sequence[dist.Work] | None],
+        call: Callable[[str], dist.Work | Sequence[dist.Work] | None],
         async_op: bool,
         on_done: Callable[[], None] | None = None,
         label: str | None = None,
+        detail: str = "",
     ) -> Handle:
+        """Count and issue one collective. ``call`` receives its signature (``op`` with
+        ``detail``, e.g. the reduce op), which every rank must agree on."""
         nbytes = payload.numel() * payload.element_size()
+        signature = _signature(op + detail, purpose, payload, label)
 
         def describe() -> str:
             return f"rank {self.rank}: {_signature(op, purpose, payload, label)}"
 
         self.stats.record(op, purpose, nbytes)
         if self._verify:
-            self._verify_signature(_signature(op, purpose, payload, label))
+            self._verify_signature(signature)
         try:
-            work = call()
+            work = call(signature)
         except Exception as exc:
             raise CollectiveError(_failure_message(describe(), exc)) from exc
         handle = Handle(work, describe, on_done, self.timeout)
@@ -281,24 +285,25 @@ class Communicator:
         reduce_op = _REDUCE_OPS[op]
         shared = self._shared(tensor)
         if shared is not None:
-            signature = _signature(f"all_reduce({op})", purpose, tensor, label)
             return self._run(
                 "all_reduce",
                 purpose,
                 tensor,
-                lambda: shared.all_reduce(tensor, op, signature),
+                lambda signature: shared.all_reduce(tensor, op, signature),
                 async_op,
                 on_done,
                 label,
+                detail=f"({op})",
             )
         return self._run(
             "all_reduce",
             purpose,
             tensor,
-            lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
+            lambda _: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
             async_op,
             on_done,
             label,
+            detail=f"({op})",
         )
 
     def reduce_scatter(
@@ -324,12 +329,11 @@ class Communicator:
         )
         shared = self._shared(output, full)
         if shared is not None:
-            signature = _signature("reduce_scatter", purpose, full, label)
             return self._run(
                 "reduce_scatter",
                 purpose,
                 full,
-                lambda: shared.reduce_scatter(output, full, signature),
+                lambda signature: shared.reduce_scatter(output, full, signature),
                 async_op,
                 on_done,
                 label,
@@ -340,7 +344,7 @@ class Communicator:
                 "reduce_scatter",
                 purpose,
                 full,
-                lambda: fn(output, full, group=self.group, async_op=True),
+                lambda _: fn(output, full, group=self.group, async_op=True),
                 async_op,
                 on_done,
                 label,
@@ -360,7 +364,7 @@ class Communicator:
             "reduce_scatter",
             purpose,
             full,
-            lambda: [
+            lambda _: [
                 dist.reduce(chunks[k], dst=self._global(k), group=self.group, async_op=True)
                 for k in range(self.world_size)
             ],
@@ -388,12 +392,11 @@ class Communicator:
         )
         shared = self._shared(output, shard)
         if shared is not None:
-            signature = _signature("all_gather", purpose, output, label)
             return self._run(
                 "all_gather",
                 purpose,
                 output,
-                lambda: shared.all_gather(output, shard, signature),
+                lambda signature: shared.all_gather(output, shard, signature),
                 async_op,
                 on_done,
                 label,
@@ -404,7 +407,7 @@ class Communicator:
                 "all_gather",
                 purpose,
                 output,
-                lambda: fn(output, shard, group=self.group, async_op=True),
+                lambda _: fn(output, shard, group=self.group, async_op=True),
                 async_op,
                 on_done,
                 label,
@@ -417,7 +420,7 @@ class Communicator:
             "all_gather",
             purpose,
             output,
-            lambda: [
+            lambda _: [
                 dist.broadcast(chunks[k], src=self._global(k), group=self.group, async_op=True)
                 for k in range(self.world_size)
             ],
@@ -436,21 +439,22 @@ class Communicator:
         """Copy rank ``src``'s ``tensor`` to every rank (``src`` is a rank in this group)."""
         shared = self._shared(tensor)
         if shared is not None:
-            signature = _signature(f"broadcast(from {src})", purpose, tensor, None)
             return self._run(
                 "broadcast",
                 purpose,
                 tensor,
-                lambda: shared.broadcast(tensor, src, signature),
+                lambda signature: shared.broadcast(tensor, src, signature),
                 async_op,
+                detail=f"(from {src})",
             )
         global_src = self._global(src)
         return self._run(
             "broadcast",
             purpose,
             tensor,
-            lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
+            lambda _: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
             async_op,
+            detail=f"(from {src})",
         )
 
     def all_reduce_floats(self, values: Sequence[float], *, op: str = "sum") -> list[float]:
