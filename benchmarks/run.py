@@ -5,8 +5,11 @@
 
 Each system trains the same GPT on the same data with the same optimizer (AdamW, fused
 where torch has it), gradient clipping 1.0 and micro-batch, on CPU ranks (gloo), for each
-of ``--world-sizes``. Systems run one after another, ``--repeats`` times in interleaved
-order, and the median step time is reported, so a system is not favoured by when it ran.
+of ``--world-sizes``. A system name ending in ``-bf16`` (``zerotrain-3-bf16``,
+``fsdp2-bf16``, ``ddp-bf16``, ``deepspeed-2-bf16``) trains with bf16 mixed precision, each
+system its own way; the others in fp32. Systems run one after another, ``--repeats`` times
+in interleaved order, and the median step time is reported, so a system is not favoured by
+when it ran.
 Results are printed as markdown tables and, with ``--results``, appended to a file with
 the command. DeepSpeed is skipped (with a note) when it is not installed.
 """
@@ -135,7 +138,7 @@ def main() -> None:
             plural = "s" if world > 1 else ""
             reports += [
                 f"#### {args.size} GPT ({rows[0]['params'] / 1e6:.1f}M parameters), "
-                f"{world} rank{plural}, fp32",
+                f"{world} rank{plural}",
                 "",
                 table(rows, systems[0]),
                 "",

@@ -75,9 +75,12 @@ def _torch_adamw(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
 
 
-def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[..., float]:
+def _plain_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, autocast: bool = False
+) -> Callable[..., float]:
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -101,13 +104,14 @@ def _torch_state(
     return state
 
 
-def _engine_config(stage: int, micro: int) -> dict[str, Any]:
+def _engine_config(stage: int, micro: int, bf16: bool = False) -> dict[str, Any]:
     """The same DeepSpeed-format config for zerotrain and DeepSpeed."""
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
         "steps_per_print": 10**9,
     }
 
@@ -122,10 +126,11 @@ def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], float]:
     return step
 
 
-def build_zerotrain(model: GPT, stage: int, micro: int) -> System:
+def build_zerotrain(model: GPT, stage: int, micro: int, bf16: bool) -> System:
     import zerotrain
 
-    engine, _, _, _ = zerotrain.initialize(model=model, config=_engine_config(stage, micro))
+    config = _engine_config(stage, micro, bf16)
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
 
     def state() -> dict[str, int]:
         b = engine.memory_breakdown()
@@ -153,7 +158,7 @@ def _counting_allreduce_hook(counter: Counter, allreduce_hook: Any) -> Any:
     return hook
 
 
-def build_ddp(model: GPT) -> System:
+def build_ddp(model: GPT, bf16: bool = False) -> System:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -162,7 +167,9 @@ def build_ddp(model: GPT) -> System:
 
     ddp.register_comm_hook(dist.group.WORLD, _counting_allreduce_hook(counter, allreduce_hook))
     opt = _torch_adamw(ddp.parameters())
-    return System(_plain_step(ddp, opt), _torch_state(model, opt), lambda: counter.bytes)
+    # bf16: PyTorch's usual mixed precision, fp32 parameters with bf16 autocast compute.
+    step = _plain_step(ddp, opt, autocast=bf16)
+    return System(step, _torch_state(model, opt), lambda: counter.bytes)
 
 
 @contextlib.contextmanager
@@ -222,12 +229,18 @@ def build_zero_redundancy(model: GPT) -> System:
     return System(step, state, lambda: counter.bytes)
 
 
-def build_fsdp2(model: GPT) -> System:
-    from torch.distributed.fsdp import fully_shard
+def build_fsdp2(model: GPT, bf16: bool) -> System:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # bf16: FSDP2 keeps fp32 sharded parameters (its master copy), gathers them in bf16 and
+    # reduces gradients in fp32, like zerotrain's defaults.
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+    )
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     opt = _torch_adamw(model.parameters())
     counter = Counter()
     plain = _plain_step(model, opt)
@@ -240,11 +253,13 @@ def build_fsdp2(model: GPT) -> System:
     return System(step, _torch_state(model, opt), lambda: counter.bytes)
 
 
-def build_deepspeed(model: GPT, stage: int, micro: int) -> System:
+def build_deepspeed(model: GPT, stage: int, micro: int, bf16: bool) -> System:
     import deepspeed
 
     engine, opt, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=_engine_config(stage, micro)
+        model=model,
+        model_parameters=model.parameters(),
+        config=_engine_config(stage, micro, bf16),
     )
 
     def state() -> dict[str, int]:
@@ -294,17 +309,20 @@ def main() -> None:
     baseline_rss = current_rss_bytes()
     torch.manual_seed(0)
     model = GPT(cfg)
-    name, _, stage = args.system.partition("-")
+    # "<name>[-<stage>][-bf16]": bf16 mixed precision, each system's own way (DDP: autocast).
+    spec = args.system.removesuffix("-bf16")
+    bf16 = spec != args.system
+    name, _, stage = spec.partition("-")
     if name == "zerotrain":
-        system = build_zerotrain(model, int(stage), micro)
+        system = build_zerotrain(model, int(stage), micro, bf16)
     elif name == "deepspeed":
-        system = build_deepspeed(model, int(stage), micro)
+        system = build_deepspeed(model, int(stage), micro, bf16)
     elif name == "ddp":
-        system = build_ddp(model)
+        system = build_ddp(model, bf16)
     elif name == "zero1torch":
         system = build_zero_redundancy(model)
     elif name == "fsdp2":
-        system = build_fsdp2(model)
+        system = build_fsdp2(model, bf16)
     else:
         raise SystemExit(f"unknown system {args.system}")
 

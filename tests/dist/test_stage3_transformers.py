@@ -40,7 +40,7 @@ def _model(kind: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def _train(kind: str, stage: int) -> dict:
+def _train(kind: str, stage: int, precision: str = "fp32") -> dict:
     model = _model(kind)
     world, rank = dist.get_world_size(), dist.get_rank()
     config = {
@@ -49,6 +49,7 @@ def _train(kind: str, stage: int) -> dict:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "eps": 1e-6}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": precision == "bf16"},
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     data = torch.randint(0, 96, (5, 2, 2 * world, 17), generator=torch.Generator().manual_seed(3))
@@ -65,11 +66,16 @@ def _train(kind: str, stage: int) -> dict:
     return {"losses": losses, "units": labels}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_transformers_model_trains_under_stage3_as_under_stage0(kind):
-    stage0 = run_distributed(_train, 2, kind, 0)[0]
-    stage3 = run_distributed(_train, 2, kind, 3)[0]
+def test_transformers_model_trains_under_stage3_as_under_stage0(kind, precision):
+    """In bf16 too. There the stages sum gradients in a different order (stage 3 reduces
+    every micro-step), and a last-bit difference in an fp32 master can flip the rounding of
+    a bf16 weight (2**-8 relative), so losses agree to bf16 precision rather than 1e-5."""
+    stage0 = run_distributed(_train, 2, kind, 0, precision)[0]
+    stage3 = run_distributed(_train, 2, kind, 3, precision)[0]
     assert len(stage3["units"]) == 4  # three decoder layers and the root
     assert stage3["losses"][-1] < stage3["losses"][0]
-    for a, b in zip(stage0["losses"], stage3["losses"]):
-        assert abs(a - b) < 1e-5, (stage0["losses"], stage3["losses"])
+    tol = 1e-5 if precision == "fp32" else 1e-3
+    for a, b in zip(stage0["losses"], stage3["losses"], strict=True):
+        assert abs(a - b) < tol, (stage0["losses"], stage3["losses"])

@@ -35,23 +35,25 @@ class RunSpec:
     freeze: str | None = None  # name of a parameter to freeze
     stage: int = 0
     extra_config: dict[str, Any] = field(default_factory=dict)
+    model: GPTConfig = TINY
 
 
-def make_model(spec: RunSpec, cfg: GPTConfig = TINY) -> GPT:
+def make_model(spec: RunSpec, cfg: GPTConfig | None = None) -> GPT:
     # ZEROTRAIN_TEST_RANK_SEED=1 gives every rank different initial weights: training must
     # still match the reference built from rank 0's weights (which initialize broadcasts).
     offset = 0
     if os.environ.get("ZEROTRAIN_TEST_RANK_SEED") and dist.is_initialized():
         offset = dist.get_rank()
     torch.manual_seed(1234 + offset)
-    model = GPT(cfg)
+    model = GPT(cfg or spec.model)
     if spec.freeze:
         dict(model.named_parameters())[spec.freeze].requires_grad_(False)
     return model
 
 
-def global_batches(spec: RunSpec, world_size: int, cfg: GPTConfig = TINY) -> torch.Tensor:
+def global_batches(spec: RunSpec, world_size: int, cfg: GPTConfig | None = None) -> torch.Tensor:
     """Token windows of shape (steps, global_batch, block_size + 1), from the real corpus."""
+    cfg = cfg or spec.model
     data = torch.frombuffer(bytearray(load_corpus()[:200_000]), dtype=torch.uint8).long()
     global_batch = spec.micro_batch * spec.grad_accum * world_size
     gen = torch.Generator().manual_seed(99)

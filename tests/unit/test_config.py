@@ -330,7 +330,7 @@ def test_batch_size_needs_at_least_one_of_two_keys():
 def test_enabled_unbuilt_features_are_listed_by_key():
     cfg = load_config(
         {
-            "fp16": {"enabled": True},
+            "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
             "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}},
             "sparse_attention": {"mode": "fixed"},
@@ -339,7 +339,7 @@ def test_enabled_unbuilt_features_are_listed_by_key():
     )
     found = "\n".join(not_implemented(cfg))
     for key in (
-        "fp16.enabled",
+        "fp16.fp16_master_weights_and_grads=true",
         "zero_optimization.offload_param.device=cpu",
         "optimizer.type=OneBitAdam",
         "sparse_attention",
@@ -370,10 +370,13 @@ def test_initialize_refuses_unbuilt_features_before_touching_the_model():
 
     import zerotrain
 
-    with pytest.raises(NotImplementedError, match=r"fp16\.enabled=true"):
+    with pytest.raises(NotImplementedError, match=r"offload_optimizer\.device=cpu"):
         zerotrain.initialize(
             model=torch.nn.Linear(2, 2),
-            config={"train_batch_size": 2, "fp16": {"enabled": True}},
+            config={
+                "train_batch_size": 2,
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            },
         )
     assert not torch.distributed.is_initialized()  # refused before joining a group
 

@@ -12,6 +12,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--nproc", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--steps", type=int, default=250, help="optimizer steps")
     parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="compute dtype"
+    )
     parser.add_argument("--out-dir", default="demo_out", help="where the plot and summary go")
 
 
@@ -35,6 +38,8 @@ def demo(args: argparse.Namespace) -> int:
             str(args.steps),
             "--stage",
             str(args.stage),
+            "--precision",
+            args.precision,
             "--out-dir",
             args.out_dir,
         ],

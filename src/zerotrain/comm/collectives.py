@@ -144,6 +144,9 @@ class Communicator:
             and self.world_size > 1
             and os.environ.get("ZEROTRAIN_VERIFY_COLLECTIVES", "1") != "0"
         )
+        # Whether the backend reduces a 16-bit float dtype on a device type (gloo lacks
+        # bf16 in some torch builds, and for CUDA tensors); filled in on first use.
+        self._native: dict[tuple[str, torch.dtype], bool] = {}
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -265,6 +268,29 @@ class Communicator:
                 f"this rank is in {signature}, another rank in a different one"
             )
 
+    def reduces_natively(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the backend can reduce ``dtype`` tensors on ``device``'s type. Where it
+        cannot, reductions run on an fp32 copy (exact for 16-bit inputs, rounded once)."""
+        if dtype not in (torch.bfloat16, torch.float16) or self.backend != "gloo":
+            return True
+        key = (device.type, dtype)
+        if key not in self._native:
+            # Every rank runs the same torch build, so all of them fail here alike.
+            probe = torch.ones(1, dtype=dtype, device=device)
+            try:
+                dist.all_reduce(probe, group=self.group)
+                self._native[key] = float(probe.item()) == self.world_size
+            except RuntimeError:
+                self._native[key] = False
+            if not self._native[key]:
+                log.info("gloo cannot reduce %s on %s: reducing an fp32 copy", dtype, key[0])
+        return self._native[key]
+
+    def _needs_bit_view(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype == torch.bfloat16 and not self.reduces_natively(
+            tensor.dtype, tensor.device
+        )
+
     # -- collectives ------------------------------------------------------------------------
 
     def all_reduce(
@@ -284,6 +310,17 @@ class Communicator:
         """
         reduce_op = _REDUCE_OPS[op]
         shared = self._shared(tensor)
+        if shared is None and not self.reduces_natively(tensor.dtype, tensor.device):
+            wide = tensor.float()
+
+            def narrow() -> None:
+                tensor.copy_(wide)
+                if on_done is not None:
+                    on_done()
+
+            return self.all_reduce(
+                wide, purpose=purpose, op=op, async_op=async_op, on_done=narrow, label=label
+            )
         if shared is not None:
             return self._run(
                 "all_reduce",
@@ -328,6 +365,18 @@ class Communicator:
             f"{output.numel()} x {self.world_size}",
         )
         shared = self._shared(output, full)
+        if shared is None and not self.reduces_natively(full.dtype, full.device):
+            wide = full.float()
+            mine = wide.view(self.world_size, -1)[self.rank]
+
+            def narrow() -> None:
+                output.view(-1).copy_(mine)
+                if on_done is not None:
+                    on_done()
+
+            return self.reduce_scatter(
+                mine, wide, purpose=purpose, async_op=async_op, on_done=narrow, label=label
+            )
         if shared is not None:
             return self._run(
                 "reduce_scatter",
@@ -391,6 +440,16 @@ class Communicator:
             f"{shard.numel()} x {self.world_size}",
         )
         shared = self._shared(output, shard)
+        if shared is None and self._needs_bit_view(output):
+            # Moving bytes needs no arithmetic: the same bits as fp16, which gloo carries.
+            return self.all_gather_into(
+                output.view(torch.float16),
+                shard.view(torch.float16),
+                purpose=purpose,
+                async_op=async_op,
+                on_done=on_done,
+                label=label,
+            )
         if shared is not None:
             return self._run(
                 "all_gather",
@@ -438,6 +497,10 @@ class Communicator:
     ) -> Handle:
         """Copy rank ``src``'s ``tensor`` to every rank (``src`` is a rank in this group)."""
         shared = self._shared(tensor)
+        if shared is None and self._needs_bit_view(tensor):
+            return self.broadcast(
+                tensor.view(torch.float16), src=src, purpose=purpose, async_op=async_op
+            )
         if shared is not None:
             return self._run(
                 "broadcast",

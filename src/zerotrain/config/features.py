@@ -110,17 +110,11 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         found.append("zero_optimization.zero_hpz_partition_size>1: hierarchical partitioning")
     if zero.mics_shard_size > 0:
         found.append("zero_optimization.mics_shard_size>0: MiCS sharding")
-    if cfg.fp16.enabled:
-        found.append("fp16.enabled=true: fp16 mixed precision")
-    if cfg.bf16.enabled:
-        found.append("bf16.enabled=true: bf16 mixed precision")
-    if cfg.communication_data_type not in (None, "fp32", "float32"):
+    if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads:
         found.append(
-            f"communication_data_type={cfg.communication_data_type}: reduced-precision "
-            "gradient communication"
+            "fp16.fp16_master_weights_and_grads=true: fp16 master weights (zerotrain keeps "
+            "fp32 master weights)"
         )
-    if cfg.data_types.grad_accum_dtype not in (None, "fp32", "float32"):
-        found.append(f"data_types.grad_accum_dtype={cfg.data_types.grad_accum_dtype}")
     if cfg.sparse_gradients:
         found.append("sparse_gradients=true: sparse gradient all-reduce")
     if cfg.optimizer is not None:
@@ -179,6 +173,16 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
                     f"optimizer.params.{key}: zerotrain chooses the kernel itself "
                     "(fused where torch has one); this key has no effect"
                 )
+    if cfg.fp16.enabled and "auto_cast" in cfg.fp16.model_fields_set:
+        notes.append(
+            "fp16.auto_cast: floating-point inputs are always cast to the compute dtype; "
+            "this key has no effect"
+        )
+    if cfg.bf16.enabled and "immediate_grad_update" in cfg.bf16.model_fields_set:
+        notes.append(
+            "bf16.immediate_grad_update: gradients are always added into the accumulation "
+            "buffer as autograd produces them; this key has no effect"
+        )
     uses_nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
     if "aio" in cfg.model_fields_set and not uses_nvme:
         notes.append("aio: only used by NVMe offload, which this config does not enable")

@@ -11,9 +11,24 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from zerotrain.config import optim_params
 from zerotrain.config.batch import BatchSizes, resolve_batch_sizes
+from zerotrain.config.errors import ConfigError, ConfigProblem
 from zerotrain.config.schema import ZeroTrainConfig
+
+DTYPE_BY_NAME = MappingProxyType(
+    {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "bf16": torch.bfloat16,
+        "bfp16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +79,49 @@ class Stage3Policy:
 
 
 @dataclass(frozen=True, slots=True)
+class LossScalePolicy:
+    """fp16 loss scaling (DeepSpeed's ``fp16`` keys); ``static_scale`` None = dynamic."""
+
+    static_scale: float | None
+    initial_scale: float
+    window: int
+    hysteresis: int
+    consecutive_hysteresis: bool
+    min_scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionPolicy:
+    """Dtypes of one training run.
+
+    ``compute``: parameters, activations and gradients in forward/backward (None: whatever
+    the model is in, no conversion). When set, the optimizer updates fp32 master copies of
+    the parameters. ``grad_accum``: the buffer gradients are summed into across micro-steps
+    (None: fp32 under mixed precision, else the parameters' dtype); ``comm``: the dtype
+    gradients are reduced in (None: the same default). ``check_overflow``: skip a step whose
+    gradients hold inf/NaN (always with fp16).
+    """
+
+    compute: torch.dtype | None = None
+    grad_accum: torch.dtype | None = None
+    comm: torch.dtype | None = None
+    loss_scale: LossScalePolicy | None = None
+    check_overflow: bool = False
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the optimizer steps fp32 copies rather than the parameters themselves."""
+        return self.compute is not None
+
+    def resolve(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """``(compute, accumulation, communication)`` dtypes for parameters that the model
+        holds in ``model_dtype``."""
+        compute = self.compute or model_dtype
+        default = torch.float32 if self.master_weights else model_dtype
+        return compute, self.grad_accum or default, self.comm or default
+
+
+@dataclass(frozen=True, slots=True)
 class TrainingPolicy:
     """Step-level settings the engine reads."""
 
@@ -73,6 +131,9 @@ class TrainingPolicy:
     steps_per_print: int
     log_memory: bool
     drop_last: bool
+    # The loss is divided by this before backward; under mixed precision averaging over
+    # micro-steps happens in the fp32 reduction instead (1/3 is not exact in bf16).
+    loss_divisor: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +143,7 @@ class Policies:
     training: TrainingPolicy
     grad_reduce: GradReducePolicy
     stage3: Stage3Policy
+    precision: PrecisionPolicy
     optimizer: OptimizerSpec | None
     scheduler: SchedulerSpec | None
 
@@ -110,11 +172,15 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         dp_world_size,
     )
     zero = cfg.zero_optimization
+    precision = resolve_precision(cfg)
     if cfg.prescale_gradients:
         pre, post = float(dp_world_size), 1.0
     else:
         pre = cfg.gradient_predivide_factor
         post = dp_world_size / cfg.gradient_predivide_factor
+    gas = batch.gradient_accumulation_steps
+    if precision.master_weights:
+        post *= gas  # see TrainingPolicy.loss_divisor
     grad_reduce = GradReducePolicy(
         bucket_numel=zero.reduce_bucket_size,
         overlap=zero.overlap_comm,
@@ -134,10 +200,68 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         steps_per_print=cfg.steps_per_print,
         log_memory=cfg.memory_breakdown,
         drop_last=cfg.dataloader_drop_last,
+        loss_divisor=1 if precision.master_weights else gas,
     )
     optimizer = scheduler = None
     if cfg.optimizer is not None:
         optimizer = OptimizerSpec(*_spec("optimizer", cfg.optimizer.type, cfg.optimizer.params))
     if cfg.scheduler is not None:
         scheduler = SchedulerSpec(*_spec("scheduler", cfg.scheduler.type, cfg.scheduler.params))
-    return Policies(training, grad_reduce, stage3, optimizer, scheduler)
+    return Policies(training, grad_reduce, stage3, precision, optimizer, scheduler)
+
+
+def resolve_precision(cfg: ZeroTrainConfig) -> PrecisionPolicy:
+    """The dtypes the config asks for.
+
+    Raises:
+        ConfigError: fp16 and bf16 both enabled, or an accumulation dtype that is neither
+            fp32 nor the compute dtype.
+    """
+    problems: list[ConfigProblem] = []
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        problems.append(
+            ConfigProblem("fp16.enabled", "fp16 and bf16 are both enabled; enable at most one")
+        )
+    compute = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    accum = None
+    name = cfg.data_types.grad_accum_dtype
+    if name is not None:
+        accum = DTYPE_BY_NAME[name]
+        allowed = (torch.float32, compute)
+        if accum not in allowed:
+            spelled = " or ".join(short_dtype_name(d) for d in allowed if d is not None)
+            needs = "" if compute is not None else " (bf16/fp16 need bf16.enabled/fp16.enabled)"
+            problems.append(
+                ConfigProblem(
+                    "data_types.grad_accum_dtype",
+                    f"got {name!r}, but the model computes in "
+                    f"{short_dtype_name(compute or torch.float32)}; allowed: {spelled}{needs}",
+                )
+            )
+    if problems:
+        raise ConfigError(problems)
+    comm = DTYPE_BY_NAME[cfg.communication_data_type] if cfg.communication_data_type else None
+    scaling = None
+    if cfg.fp16.enabled:
+        fp16 = cfg.fp16
+        scaling = LossScalePolicy(
+            static_scale=fp16.loss_scale if fp16.loss_scale > 0 else None,
+            initial_scale=2.0**fp16.initial_scale_power,
+            window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=fp16.min_loss_scale,
+        )
+    return PrecisionPolicy(
+        compute=compute,
+        grad_accum=accum,
+        comm=comm,
+        loss_scale=scaling,
+        check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
+    )
+
+
+def short_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bf16"``, as configs write it."""
+    short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return short.get(dtype, str(dtype).removeprefix("torch."))

@@ -23,6 +23,8 @@ class MemoryBreakdown:
         buffers: module buffers (e.g. normalisation statistics).
         gathered: the gathered working set (stage 3): the most bytes of whole unit buffers
             held at once so far, persistent units included.
+        staging: buffers gradients pass through on their way to a reduce-scatter (stages
+            2-3; sized by the largest unit, not by the model).
     """
 
     params: int
@@ -31,6 +33,7 @@ class MemoryBreakdown:
     optimizer_states: int
     buffers: int
     gathered: int = 0
+    staging: int = 0
 
     @property
     def total(self) -> int:

@@ -7,6 +7,11 @@ at stage 2). ``step()`` then clips, updates and schedules on the boundary and on
 the other micro-steps. The Engine is a thin facade: units, hooks, collectives and optimizer
 math live in their own layers (``zero.strategy.ZeroStrategy`` is the one it talks to).
 
+Under mixed precision the engine casts floating-point inputs to the compute dtype, scales
+the loss (fp16), and at the boundary skips the update on every rank when any gradient is
+inf/NaN: the global gradient norm, which clipping computes anyway (one all-reduce when
+gradients are sharded), is non-finite exactly then.
+
 Like DeepSpeed's engine, it is an ``nn.Module`` wrapping the model as ``engine.module``, so
 ``engine.parameters()``, ``engine.train()`` and ``engine.state_dict()`` work as expected.
 """
@@ -22,7 +27,7 @@ from torch import nn
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import DistEnv
 from zerotrain.comm.stats import CommSnapshot
-from zerotrain.config.policies import TrainingPolicy
+from zerotrain.config.policies import PrecisionPolicy, TrainingPolicy
 from zerotrain.engine.accounting import (
     MemoryBreakdown,
     buffer_bytes,
@@ -30,7 +35,8 @@ from zerotrain.engine.accounting import (
     tensor_bytes,
 )
 from zerotrain.engine.optimizers import EngineOptimizer
-from zerotrain.optim.clip import clip_grads_
+from zerotrain.optim.clip import global_grad_norm, unscale_and_clip_
+from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import format_bytes, peak_rss_bytes
 from zerotrain.zero.strategy import ZeroStrategy
@@ -55,6 +61,8 @@ class Engine(nn.Module):
         optimizer: the optimizer stepped at each accumulation boundary (or None).
         lr_scheduler: stepped after each optimizer step (or None).
         env: rank, world size, device and backend of this process.
+        loss_scaler: the fp16 loss scale (None otherwise).
+        skipped_steps: optimizer steps skipped because a gradient overflowed.
     """
 
     def __init__(
@@ -66,6 +74,7 @@ class Engine(nn.Module):
         strategy: ZeroStrategy,
         optimizer: EngineOptimizer,
         lr_scheduler: Any,
+        precision: PrecisionPolicy | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -76,6 +85,11 @@ class Engine(nn.Module):
         self.optimizer = optimizer.optimizer
         self._steps_model_params = optimizer.steps_model_params
         self.lr_scheduler = lr_scheduler
+        self.precision = precision or PrecisionPolicy()
+        scaling = self.precision.loss_scale
+        self.loss_scaler = LossScaler(scaling) if scaling is not None else None
+        self.skipped_steps = 0
+        self._step_applied = True
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -88,7 +102,11 @@ class Engine(nn.Module):
     # -- forward / backward / step --------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward (same signature as the model)."""
+        """Run the model's forward (same signature as the model). Under mixed precision,
+        floating-point tensors among the inputs are cast to the compute dtype first."""
+        dtype = self.precision.compute
+        if dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), dtype)
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -98,10 +116,12 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate ``loss`` of one micro-batch; returns ``loss``.
 
-        The loss is divided by the number of accumulation steps, so the accumulated gradient
-        is the mean over the global batch. When this micro-step communicates, gradients are
-        reduced across ranks while backward runs; this call returns once they are. If
-        backward raises, the gradients of the current accumulation window are discarded.
+        The accumulated gradient is the mean over the global batch (the loss is divided by
+        the number of accumulation steps; under mixed precision that division happens in
+        fp32 with the reduction). With fp16 the loss is multiplied by the loss scale. When
+        this micro-step communicates, gradients are reduced across ranks while backward
+        runs; this call returns once they are. If backward raises, the gradients of the
+        current accumulation window are discarded.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("backward() needs the scalar loss tensor of this micro-batch")
@@ -116,9 +136,15 @@ class Engine(nn.Module):
                 "engine.backward(), or sum the losses of one micro-batch first"
             )
         gas = self.policy.batch.gradient_accumulation_steps
+        divisor = self.policy.loss_divisor
+        if self.loss_scaler is not None:
+            # In fp32: the scaled value of a 16-bit loss would overflow.
+            scaled = loss.float() * (self.loss_scaler.scale / divisor)
+        else:
+            scaled = loss / divisor if divisor > 1 else loss
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
         try:
-            (loss / gas if gas > 1 else loss).backward(retain_graph=retain_graph)
+            scaled.backward(retain_graph=retain_graph)
         except BaseException as exc:
             self.strategy.abort_backward()
             self.micro_steps -= self.micro_steps % gas  # the window starts over
@@ -139,15 +165,33 @@ class Engine(nn.Module):
             )
         batch = self.policy.batch
         if self.is_gradient_accumulation_boundary():
-            # Kept as a tensor: converting it here would force a device sync every step.
-            self._grad_norm = clip_grads_(
-                self.strategy.reduced_grads(),
-                self.policy.clip_norm,
-                self.strategy.partial_norm_reducer(),
-            )
-            self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            grads = self.strategy.reduced_grads()
+            norm = global_grad_norm(grads, self.strategy.partial_norm_reducer())
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            # Kept as a tensor unless overflow is checked: converting it would force a
+            # device sync every step.
+            overflow = self.precision.check_overflow and not bool(torch.isfinite(norm))
+            self._step_applied = not overflow
+            if overflow:
+                self._grad_norm = norm
+                self.strategy.skip_step()
+                self.skipped_steps += 1
+            else:
+                self._grad_norm = unscale_and_clip_(grads, norm, 1.0 / scale, self.policy.clip_norm)
+                self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(overflow)
+            if overflow:
+                log.info(
+                    "step %d: gradient overflow (inf/NaN) on some rank; update skipped on "
+                    "every rank%s",
+                    self.global_steps + 1,
+                    f", loss scale {scale:g} -> {self.loss_scale:g}"
+                    if self.loss_scaler is not None
+                    else "",
+                )
             self.global_steps += 1
             if self.global_steps % self.policy.steps_per_print == 0:
                 self._report()
@@ -192,6 +236,15 @@ class Engine(nn.Module):
             return []
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without fp16 loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped for a gradient overflow."""
+        return self._step_applied
+
     def get_global_grad_norm(self) -> float | None:
         """Gradient norm (before clipping) at the last optimizer step."""
         return None if self._grad_norm is None else float(self._grad_norm)
@@ -227,10 +280,11 @@ class Engine(nn.Module):
         return MemoryBreakdown(
             params=self.strategy.param_bytes() + tensor_bytes(loose),
             grads=self.strategy.grad_bytes(),
-            master_weights=0,
+            master_weights=self.strategy.master_bytes(),
             optimizer_states=optimizer_state_bytes(self.optimizer),
             buffers=buffer_bytes(self.module),
             gathered=self.strategy.gathered_bytes()[1],
+            staging=self.strategy.staging_bytes(),
         )
 
     # -- not yet available ----------------------------------------------------------------------
@@ -264,9 +318,25 @@ class Engine(nn.Module):
             f"grad norm {self.get_global_grad_norm() or 0.0:.4f}, "
             f"{self._window_samples / elapsed:.1f} samples/s"
         )
+        if self.loss_scaler is not None:
+            message += f", loss scale {self.loss_scale:g}, {self.skipped_steps} skipped"
         if self.policy.log_memory:
             message += f", peak RSS {format_bytes(peak_rss_bytes())}; {self.memory_breakdown()}"
         log.info(message)
         self._window_losses.clear()
         self._window_samples = 0
         self._window_start = time.perf_counter()
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor inside (tuples, lists, dicts) cast."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        items = [_cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value

@@ -28,6 +28,7 @@ from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import Engine
 from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
+from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
 from zerotrain.zero.init import deferred_values, materialize
 from zerotrain.zero.policy import ZeroPolicy
@@ -84,6 +85,18 @@ def _check_not_wrapped(model: nn.Module) -> None:
             )
 
 
+def _cast_the_rest(model: nn.Module, managed: set[int], dtype: torch.dtype) -> None:
+    """Cast what the units did not take (frozen parameters at stages 0-2, buffers) to the
+    compute dtype, as the model would be after ``model.to(dtype)``."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) not in managed and param.is_floating_point():
+                param.data = param.data.to(dtype)
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(dtype)
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -138,6 +151,9 @@ def initialize(
     for note in (*cfg.auto_notes, *inert_keys(cfg)):
         log.info("config: %s", note)
 
+    precision = policies.precision
+    if precision.compute is not None:
+        check_device_supports(precision.compute, env.device)
     zero = ZeroPolicy.for_stage(policies.training.stage)
     values = deferred_values(model)
     if values is not None and not zero.shard_parameters:
@@ -172,7 +188,10 @@ def initialize(
         zero,
         policies.grad_reduce,
         Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
+        precision,
     )
+    if precision.compute is not None:
+        _cast_the_rest(model, strategy.managed(), precision.compute)
     opt = make_optimizer(optimizer, policies.optimizer, strategy, groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)
 
@@ -187,12 +206,13 @@ def initialize(
             drop_last=policies.training.drop_last,
             pin_memory=env.device.type == "cuda",
         )
-    engine = Engine(model, env, comm, policies.training, strategy, opt, scheduler)
+    engine = Engine(model, env, comm, policies.training, strategy, opt, scheduler, precision)
     batch = policies.training.batch
     log.info(
-        "initialized: ZeRO stage %d, %d rank(s), %d parameters in %d unit(s), batch %d = %d "
-        "micro x %d accumulation x %d ranks",
+        "initialized: ZeRO stage %d, %s, %d rank(s), %d parameters in %d unit(s), batch %d = "
+        "%d micro x %d accumulation x %d ranks",
         zero.stage,
+        "fp32" if precision.compute is None else f"{precision.compute} + fp32 master weights",
         comm.world_size,
         sum(u.numel for u in strategy.units),
         len(strategy.units),

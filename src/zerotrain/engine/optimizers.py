@@ -74,7 +74,7 @@ def make_optimizer(
             "an optimizer was passed to initialize and the config has an 'optimizer' section; "
             "use one of them"
         )
-    sharded = strategy.zero.shard_optimizer
+    sharded = strategy.optimizer_over_shards
     if spec is not None:
         flat = flat_groups(strategy, groups)
         return EngineOptimizer(
@@ -89,11 +89,16 @@ def make_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         if not sharded:
             return EngineOptimizer(optimizer, steps_model_params=True)
+        why = (
+            f"ZeRO stage {strategy.zero.stage} partitions optimizer states"
+            if strategy.zero.shard_optimizer
+            else "mixed precision steps fp32 master weights"
+        )
         log.warning(
-            "%s is rebuilt over this rank's shards (ZeRO stage %d partitions optimizer "
-            "states); step the optimizer returned by initialize, not the one passed in",
+            "%s is rebuilt over this rank's shards (%s); step the optimizer returned by "
+            "initialize, not the one passed in",
             type(optimizer).__name__,
-            strategy.zero.stage,
+            why,
         )
         return EngineOptimizer(rebuild_over_flat(optimizer, flat_groups(strategy, groups)), False)
     if callable(optimizer):

@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=192)
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="bf16/fp16: mixed precision with fp32 master weights (fp16 with loss scaling)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="demo_out")
     return parser.parse_args(argv)
@@ -120,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             },
         },
         "zero_optimization": {"stage": args.stage},
+        "bf16": {"enabled": args.precision == "bf16"},
+        "fp16": {"enabled": args.precision == "fp16"},
         # The progress bar reports every step; the engine's own log only at the end.
         "steps_per_print": args.steps,
     }

@@ -42,3 +42,23 @@ def clip_grads_(
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(list(grads), coef.to(grads[0].device))
     return total
+
+
+def unscale_and_clip_(
+    grads: Sequence[torch.Tensor], scaled_norm: torch.Tensor, inv_scale: float, max_norm: float
+) -> torch.Tensor:
+    """Divide loss-scaled ``grads`` by the scale and clip them to ``max_norm`` (if > 0) in
+    one multiplication, given their global norm ``scaled_norm``; returns the unscaled norm.
+
+    The coefficient is the one ``clip_grads_`` uses on the unscaled gradients, so clipping
+    acts on true gradient norms whatever the loss scale.
+    """
+    total = scaled_norm * inv_scale
+    coef = torch.full_like(total, inv_scale)
+    if max_norm > 0:
+        coef = coef * (max_norm / (total + 1e-6)).clamp(max=1.0)
+    elif inv_scale == 1.0:
+        return total
+    if grads:
+        torch._foreach_mul_(list(grads), coef.to(grads[0].device))
+    return total

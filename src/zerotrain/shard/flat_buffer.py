@@ -22,23 +22,30 @@ class FlatParamBuffer:
 
     Args:
         layout: where each parameter goes (``layout.params[i]`` describes ``params[i]``).
-        params: the parameters, all of one dtype and on one device.
+        params: the parameters, all on one device.
+        dtype: of the buffer (the parameters are cast to it); default: the parameters' own,
+            which must then be one dtype.
     """
 
-    def __init__(self, layout: FlatLayout, params: Sequence[nn.Parameter]) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: Sequence[nn.Parameter],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         invariant(len(layout.params) == len(params), "layout and params differ in length")
         if not params:
             raise ValueError("a flat buffer needs at least one parameter")
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
-        if len(dtypes) != 1 or len(devices) != 1:
+        if (dtype is None and len(dtypes) != 1) or len(devices) != 1:
             raise ValueError(
                 "parameters of one buffer must share dtype and device, got "
                 f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}"
             )
         self.layout = layout
         self.params = tuple(params)
-        self.dtype = params[0].dtype
+        self.dtype = dtype or params[0].dtype
         self.device = params[0].device
         self.data = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():

@@ -1,14 +1,18 @@
 """Where a unit's gradients live, and how one reduction of them runs.
 
-* ``FullGradients`` (stages 0 and 1): a full-size gradient buffer; every ``param.grad`` is a
-  view into it, so autograd accumulates micro-steps in place with no copies. At the
-  accumulation boundary the buffer is all-reduced (stage 0) or reduce-scattered in place into
-  this rank's slice (stage 1).
+* ``FullGradients`` (stages 0 and 1): a full-size gradient buffer. When it has the
+  parameters' dtype every ``param.grad`` is a view into it, so autograd accumulates
+  micro-steps in place with no copies; under mixed precision (an fp32 buffer for bf16
+  parameters) each fresh gradient is added in as autograd produces it. At the accumulation
+  boundary the buffer is all-reduced (stage 0) or reduce-scattered in place into this rank's
+  slice (stage 1).
 * ``ShardedGradients`` (stages 2 and 3): only this rank's slice is kept. On every micro-step the
   gradients are copied into a staging buffer as autograd produces them (and ``param.grad``
   is freed), reduce-scattered, and added into the slice.
 
-Both scale by ``1 / pre_divide`` before the reduction and ``1 / post_divide`` after it.
+Both scale by ``1 / pre_divide`` before the reduction and ``1 / post_divide`` after it, and
+reduce in the communication dtype: staging buffers have it (stages 2-3); a full buffer of
+another dtype is converted for the reduction and back (stages 0-1).
 """
 
 from __future__ import annotations
@@ -34,12 +38,25 @@ class FullGradients:
         buffer: the unit's parameters.
         owned: ``[lo, hi)`` of the buffer this rank steps (the whole buffer at stage 0).
         sharded: reduce-scatter into ``owned`` (stage 1) instead of all-reducing (stage 0).
+        dtype: of the accumulation buffer (default: the parameters').
+        comm_dtype: dtype of the reduction (default: ``dtype``).
     """
 
-    def __init__(self, buffer: FlatParamBuffer, owned: tuple[int, int], sharded: bool) -> None:
+    def __init__(
+        self,
+        buffer: FlatParamBuffer,
+        owned: tuple[int, int],
+        sharded: bool,
+        dtype: torch.dtype | None = None,
+        comm_dtype: torch.dtype | None = None,
+    ) -> None:
         self.buffer = buffer
         self.sharded = sharded
-        self.flat = torch.zeros_like(buffer.data)
+        self.owned = owned
+        self.flat = torch.zeros_like(buffer.data, dtype=dtype or buffer.dtype)
+        self.comm_dtype = comm_dtype or self.flat.dtype
+        # param.grad must have the parameter's dtype: views only when the buffer has it.
+        self.views = self.flat.dtype == buffer.dtype
         self.shard = self.flat[owned[0] : owned[1]]
         self.bind()
 
@@ -49,14 +66,15 @@ class FullGradients:
         return self.flat.numel() * self.flat.element_size()
 
     def bind(self) -> None:
-        """Point every ``param.grad`` at its view of the buffer."""
+        """Point every ``param.grad`` at its view of the buffer (when dtypes allow)."""
         for i, param in enumerate(self.buffer.params):
-            param.grad = self.buffer.view(self.flat, i)
+            param.grad = self.buffer.view(self.flat, i) if self.views else None
 
     def accept(self, index: int, staging: StagingProvider) -> None:
         """Autograd produced ``params[index]``'s gradient. It is normally already in the
-        buffer; if something replaced ``param.grad`` (``model.zero_grad()`` sets it to None,
-        after which autograd allocates a fresh tensor), fold that tensor in."""
+        buffer; under mixed precision, or if something replaced ``param.grad``
+        (``model.zero_grad()`` sets it to None, after which autograd allocates a fresh
+        tensor), fold that tensor in."""
         param = self.buffer.params[index]
         view = self.buffer.view(self.flat, index)
         current = param.grad
@@ -64,7 +82,7 @@ class FullGradients:
             return
         if current is not None:
             view.add_(current)
-        param.grad = view
+        param.grad = view if self.views else None
 
     def reduce(
         self,
@@ -76,8 +94,14 @@ class FullGradients:
         """Start averaging the buffer across ranks; ``shard`` holds the result when done."""
         if policy.pre_divide != 1.0:
             self.flat.div_(policy.pre_divide)
+        # Divided before any narrowing conversion, so sums stay in the narrower range.
+        wire = self.flat if self.comm_dtype == self.flat.dtype else self.flat.to(self.comm_dtype)
+        lo, hi = self.owned
+        result = wire[lo:hi] if self.sharded else wire
 
         def finish() -> None:
+            if result.data_ptr() != self.shard.data_ptr():
+                self.shard.copy_(result)
             if policy.post_divide != 1.0:
                 self.shard.div_(policy.post_divide)
             on_done()
@@ -85,15 +109,10 @@ class FullGradients:
         if self.sharded:
             # In place: this rank's slice of the input is the output.
             return comm.reduce_scatter(
-                self.shard,
-                self.flat,
-                purpose="gradients",
-                async_op=True,
-                on_done=finish,
-                label=label,
+                result, wire, purpose="gradients", async_op=True, on_done=finish, label=label
             )
         return comm.all_reduce(
-            self.flat, purpose="gradients", async_op=True, on_done=finish, label=label
+            wire, purpose="gradients", async_op=True, on_done=finish, label=label
         )
 
     def zero(self) -> None:
@@ -116,7 +135,9 @@ class ShardedGradients:
     Args:
         buffer: the unit's parameters.
         owned: ``[lo, hi)`` of the buffer this rank steps.
-        pool: where staging buffers come from (sized for the largest unit).
+        pool: where staging buffers come from (sized for the largest unit; their dtype is
+            the one gradients are reduced in).
+        dtype: of the accumulated slice (default: the parameters').
     """
 
     def __init__(
@@ -124,11 +145,14 @@ class ShardedGradients:
         buffer: FlatParamBuffer | PartitionedParams,
         owned: tuple[int, int],
         pool: StagingPool,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.buffer = buffer
         self.owned = owned
         self.pool = pool
-        self.shard = torch.zeros(owned[1] - owned[0], dtype=buffer.dtype, device=buffer.device)
+        self.shard = torch.zeros(
+            owned[1] - owned[0], dtype=dtype or buffer.dtype, device=buffer.device
+        )
         # (pool buffer, the part of it this unit uses) while gradients are being staged
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staged: set[int] = set()  # parameters copied into staging this micro-step

@@ -16,7 +16,7 @@ while released and see the same values again once the unit is gathered for backw
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -33,21 +33,15 @@ def replace_storage(param: nn.Parameter, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(param, replacement)
 
 
-# The full value of parameter ``i`` of the layout (used when parameters are not materialised,
-# e.g. built by ``zerotrain.zero.Init`` on the meta device).
-ValueSource = Callable[[int], torch.Tensor]
-
-
 class PartitionedParams:
     """One unit's parameters, partitioned over the ranks of ``layout``.
 
     Args:
         layout: packing of the parameters (``world_size`` = the data-parallel world size).
-        params: the parameters, in ``layout`` order, all of one dtype.
+        params: the parameters, in ``layout`` order (their values are no longer read).
         rank: this rank (it keeps ``layout.shard_range(rank)``).
-        device: where the shard and gathered buffers live.
-        values: the full value of each parameter, when ``params`` hold none (meta tensors);
-            by default each parameter's own data.
+        shard: this rank's range of the flattened parameters (``copy_owned_range``), in the
+            dtype the unit is gathered in; it becomes the permanent storage.
     """
 
     def __init__(
@@ -55,33 +49,19 @@ class PartitionedParams:
         layout: FlatLayout,
         params: Sequence[nn.Parameter],
         rank: int,
-        device: torch.device,
-        values: ValueSource | None = None,
+        shard: torch.Tensor,
     ) -> None:
         invariant(len(layout.params) == len(params), "layout and params differ in length")
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            found = sorted(map(str, dtypes))
-            raise ValueError(f"parameters of one unit must share a dtype, got {found}")
+        invariant(shard.numel() == layout.shard_numel, "shard size does not match the layout")
         self.layout = layout
         self.params = tuple(params)
-        self.dtype = params[0].dtype
-        self.device = device
+        self.dtype = shard.dtype
+        self.device = shard.device
         self.owned = layout.shard_range(rank)
-        self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=device)
-        self.full = torch.empty(layout.padded_numel, dtype=self.dtype, device=device)
+        self.shard = shard
+        self.full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         self.gathered = True  # until the free() below
-        self._released = torch.empty(0, dtype=self.dtype, device=device)
-        lo, hi = self.owned
-        with torch.no_grad():
-            for i, spec in enumerate(layout.params):
-                a, b = max(lo, spec.start), min(hi, spec.end)
-                if a >= b:
-                    continue
-                value = values(i) if values is not None else params[i].detach()
-                invariant(tuple(value.shape) == spec.shape, f"{spec.fqn}: shape changed")
-                flat = value.reshape(-1)[a - spec.start : b - spec.start]
-                self.shard[a - lo : b - lo].copy_(flat)
+        self._released = torch.empty(0, dtype=self.dtype, device=self.device)
         for param in self.params:
             if param.is_meta:
                 replace_storage(param, self._released)

@@ -7,6 +7,11 @@ stage 3 also keeps only that slice of the parameters (``PartitionedParams``: gat
 each use by ``zero/gather.py``). After an optimizer step, stages 1-2 all-gather the updated
 slices so every rank again holds the whole parameters; stage 3 keeps them sharded.
 
+Under mixed precision the parameters are held in the compute dtype (bf16/fp16) and the unit
+keeps an fp32 master copy of the range this rank steps: the optimizer updates the master,
+which is then rounded into the parameters (``publish``). Gradients accumulate and reduce in
+the dtypes the ``PrecisionPolicy`` names.
+
 The unit owns the mechanics (which collective, which slice); *when* its methods run is
 decided by ``zero/grad_sync.py`` and ``zero/strategy.py``. Gradient states move through a
 checked cycle, so an ordering bug raises at once instead of stepping half-reduced gradients.
@@ -22,14 +27,20 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Communicator, Handle
-from zerotrain.config.policies import GradReducePolicy
+from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.grads import FullGradients, ShardedGradients, StagingProvider
 from zerotrain.shard.layout import FlatLayout
-from zerotrain.shard.partitioned import PartitionedParams, ValueSource
+from zerotrain.shard.owned import ValueSource, copy_owned_range
+from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
 from zerotrain.zero.policy import ZeroPolicy
+
+# Attribute on a parameter whose values an fp32 master copy in this unit shadows (stages 0-2;
+# stage-3 parameters are found through their gatherer): ``GatheredParameters`` with a
+# ``modifier_rank`` hands changed values back to it.
+MASTER_OWNER = "_zerotrain_master_owner"
 
 
 class GradState(enum.Enum):
@@ -44,13 +55,13 @@ class GradState(enum.Enum):
 class OptimizerPiece:
     """The part of one optimizer group's parameters in a unit that this rank updates.
 
-    ``param`` and ``grad`` are views of the unit's buffers (``param.grad is grad``);
-    ``segments`` lists ``(start, end, param_id)`` of every parameter fragment inside.
+    ``param`` is a view of the unit's parameter buffer, or of its fp32 master copy;
+    ``segments`` lists ``(start, end, param_id)`` of every parameter fragment inside. Its
+    ``.grad`` is bound by ``ShardedUnit.bind_optimizer_grads``.
     """
 
     group: int
     param: torch.Tensor
-    grad: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]
     start: int  # offset of ``param`` in the unit's flat buffer
 
@@ -72,6 +83,7 @@ class ShardedUnit:
             parameters, which are partitioned and gathered like the rest); default: all.
         label: names the unit in messages (stage 3: the module it wraps).
         values: the full value of each parameter when they are not materialised (stage 3).
+        precision: dtypes of parameters, gradients and their reduction; master weights.
     """
 
     def __init__(
@@ -88,6 +100,7 @@ class ShardedUnit:
         trainable: Sequence[bool] | None = None,
         label: str | None = None,
         values: ValueSource | None = None,
+        precision: PrecisionPolicy | None = None,
     ) -> None:
         sharded = zero.shard_optimizer
         invariant(
@@ -99,24 +112,61 @@ class ShardedUnit:
         self.zero = zero
         self.reduce_policy = reduce
         self.label = label or f"unit {index}"
+        precision = precision or PrecisionPolicy()
+        model_dtypes = {p.dtype for p in params}
+        if precision.compute is None and len(model_dtypes) > 1:
+            raise ValueError(
+                f"the parameters of '{self.label}' mix dtypes "
+                f"{sorted(map(str, model_dtypes))}; cast the model to one dtype (or enable "
+                "bf16/fp16, which casts it)"
+            )
+        compute, accum, comm_dtype = precision.resolve(params[0].dtype)
+        self.owned = layout.shard_range(comm.rank) if sharded else (0, layout.padded_numel)
+
+        def value_of(i: int) -> torch.Tensor:
+            return values(i) if values is not None else params[i].detach()
+
+        # The master copy comes from the parameters' own values (fp32 as built), not from
+        # their rounding to the compute dtype.
+        device = comm.device if zero.shard_parameters else params[0].device
+        self.master: torch.Tensor | None = None
+        if precision.master_weights:
+            self.master = copy_owned_range(layout, self.owned, value_of, torch.float32, device)
         self.buffer: FlatParamBuffer | PartitionedParams
         if zero.shard_parameters:
-            self.buffer = PartitionedParams(layout, params, comm.rank, comm.device, values)
+            start = (
+                self.master.to(compute)
+                if self.master is not None
+                else copy_owned_range(layout, self.owned, value_of, compute, device)
+            )
+            self.buffer = PartitionedParams(layout, params, comm.rank, start)
         else:
-            self.buffer = FlatParamBuffer(layout, params)
+            self.buffer = FlatParamBuffer(layout, params, compute)
+            if self.master is not None:
+                for param in params:
+                    setattr(param, MASTER_OWNER, self)
         self.persistent = False  # stage 3: stays gathered (set by the gatherer)
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
         self.trainable = tuple(trainable) if trainable is not None else (True,) * len(params)
         self.pool = staging
-        self.owned = layout.shard_range(comm.rank) if sharded else (0, layout.padded_numel)
         self.grads: FullGradients | ShardedGradients
         if zero.shard_gradients:
             invariant(staging is not None, "stage 2 needs a staging pool")
-            self.grads = ShardedGradients(self.buffer, self.owned, staging)  # type: ignore[arg-type]
+            invariant(staging.dtype == comm_dtype, "staging pool in the wrong dtype")  # type: ignore[union-attr]
+            self.grads = ShardedGradients(self.buffer, self.owned, staging, accum)  # type: ignore[arg-type]
         else:
             invariant(isinstance(self.buffer, FlatParamBuffer), "stage 3 keeps no full gradient")
-            self.grads = FullGradients(self.buffer, self.owned, sharded)  # type: ignore[arg-type]
+            self.grads = FullGradients(
+                self.buffer,  # type: ignore[arg-type]
+                self.owned,
+                sharded,
+                accum,
+                comm_dtype,
+            )
+        # The optimizer's gradient: the reduced slice itself, or its fp32 copy at the step
+        # when gradients accumulate in a 16-bit dtype next to fp32 master weights.
+        self._step_grad: torch.Tensor | None = None
         self.state = GradState.ACCUMULATING
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
@@ -135,8 +185,28 @@ class ShardedUnit:
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        """The gradient of this rank's owned range (padding included)."""
-        return self.grads.shard
+        """The reduced gradient of this rank's owned range (padding included), in the dtype
+        the optimizer steps: views of it are the pieces' ``.grad``."""
+        shard = self.grads.shard
+        if self.master is None or shard.dtype == torch.float32:
+            return shard
+        if self._step_grad is None:
+            self._step_grad = shard.float()
+        return self._step_grad
+
+    @property
+    def master_nbytes(self) -> int:
+        """Bytes of the fp32 master copy (0 without mixed precision)."""
+        return 0 if self.master is None else self.master.numel() * self.master.element_size()
+
+    def bind_optimizer_grads(self) -> None:
+        """Point each piece's ``.grad`` at its part of :attr:`grad_shard` (an optimizer's
+        ``zero_grad()`` drops these references; without them the piece would be skipped)."""
+        lo = self.owned[0]
+        grad = self.grad_shard
+        for piece in self.pieces:
+            start = piece.start - lo
+            piece.param.grad = grad[start : start + piece.param.numel()]
 
     def _make_pieces(self) -> tuple[OptimizerPiece, ...]:
         lo, hi = self.owned
@@ -155,10 +225,11 @@ class ShardedUnit:
                     for k, s in enumerate(specs[start:end], start=start)
                     if max(a, s.start) < min(b, s.end)
                 )
-                param = self.buffer.owned_slice(a, b)
-                grad = self.grads.shard[a - lo : b - lo]
-                param.grad = grad
-                pieces.append(OptimizerPiece(group, param, grad, segments, a))
+                if self.master is not None:
+                    param = self.master[a - lo : b - lo]
+                else:
+                    param = self.buffer.owned_slice(a, b)
+                pieces.append(OptimizerPiece(group, param, segments, a))
             start = end
         return tuple(pieces)
 
@@ -208,11 +279,32 @@ class ShardedUnit:
         )
 
     def start_next_window(self) -> None:
-        """The optimizer consumed the gradient: zero it for the next window."""
+        """The optimizer consumed the gradient (or the step was skipped): zero it for the
+        next window."""
         self.check_reduced()
         self.grads.zero()
         self.received.clear()
         self.state = GradState.ACCUMULATING
+        if self._step_grad is not None:
+            self._step_grad = None
+            for piece in self.pieces:
+                piece.param.grad = None
+
+    def publish(self) -> None:
+        """After an optimizer step: round the updated fp32 master into this rank's range of
+        the parameters (before ``gather`` spreads it)."""
+        if self.master is None:
+            return
+        lo, hi = self.owned
+        self.buffer.owned_slice(lo, hi).copy_(self.master)
+
+    def absorb(self) -> None:
+        """The parameters were changed outside the optimizer (``GatheredParameters`` with a
+        ``modifier_rank``): take this rank's range of them into the master copy."""
+        if self.master is None:
+            return
+        lo, hi = self.owned
+        self.master.copy_(self.buffer.owned_slice(lo, hi))
 
     def gather(self) -> Handle | None:
         """After an optimizer step: all-gather the updated slices so every rank holds whole
@@ -232,6 +324,7 @@ class ShardedUnit:
 
     def reset(self) -> None:
         """Forget a failed backward pass: no reduction pending, gradients zeroed."""
+        self._step_grad = None
         self.grads.reset()
         self.received.clear()
         self.state = GradState.ACCUMULATING

@@ -170,6 +170,7 @@ class ParamGatherer:
                     param.data = view
         self.comm.broadcast(full, src=src, purpose="parameters")
         storage.scatter_back()
+        self.units[u].absorb()
 
     def pin(self, u: int) -> None:
         """Gather unit ``u`` and keep it gathered until ``unpin`` (hooks do not free it)."""

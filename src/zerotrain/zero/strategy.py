@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Communicator, Handle
-from zerotrain.config.policies import GradReducePolicy, Stage3Policy
-from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
+from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
+from zerotrain.shard.unit import MASTER_OWNER, OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
@@ -57,6 +57,7 @@ class ZeroStrategy:
         zero: what is partitioned.
         reduce: how gradients are averaged.
         stage3: the model and gather settings (required at stage 3).
+        precision: compute, accumulation and reduction dtypes; master weights.
     """
 
     def __init__(
@@ -68,9 +69,11 @@ class ZeroStrategy:
         zero: ZeroPolicy,
         reduce: GradReducePolicy,
         stage3: Stage3Options | None = None,
+        precision: PrecisionPolicy | None = None,
     ) -> None:
         self.comm = comm
         self.zero = zero
+        self.precision = precision or PrecisionPolicy()
         self.num_params = num_params
         if reduce.overlap is None:
             # On CPUs every core already computes, so a reduction running beside backward
@@ -88,10 +91,13 @@ class ZeroStrategy:
                 zero,
                 reduce,
                 stage3.values,
+                self.precision,
             )
             self.gatherer = ParamGatherer(self.units, modules, stage3.model, comm, stage3.policy)
         else:
-            self.units, self.pools = build_units(trainable, bucket_numel, comm, zero, reduce)
+            self.units, self.pools = build_units(
+                trainable, bucket_numel, comm, zero, reduce, self.precision
+            )
         self.sync = GradientSynchronizer(
             self.units,
             overlap=bool(reduce.overlap),
@@ -305,13 +311,27 @@ class ZeroStrategy:
         handles = []
         for unit in self.units:
             unit.start_next_window()
+            unit.publish()
             handle = unit.gather()
             if handle is not None:
                 handles.append(handle)
         for handle in handles:
             handle.wait()
 
+    def skip_step(self) -> None:
+        """Drop this window's gradients without updating anything (an overflow was found);
+        the checks that close a window still run."""
+        self._unused()
+        for unit in self.units:
+            unit.start_next_window()
+
     # -- what the optimizer steps ---------------------------------------------------------------
+
+    @property
+    def optimizer_over_shards(self) -> bool:
+        """Whether the optimizer must step this strategy's flat pieces (partitioned states,
+        or fp32 master weights) rather than the model's own parameters."""
+        return self.zero.shard_optimizer or self.precision.master_weights
 
     def pieces(self, group: int) -> list[OptimizerPiece]:
         """This rank's pieces of optimizer group ``group``, over all units."""
@@ -321,7 +341,9 @@ class ZeroStrategy:
         """An empty tensor (with an empty gradient) standing in for optimizer group
         ``group`` on a rank that owns none of its elements."""
         if group not in self._placeholders:
-            dtype = self.units[0].buffer.dtype if self.units else torch.float32
+            dtype = torch.float32
+            if self.units and not self.precision.master_weights:
+                dtype = self.units[0].buffer.dtype
             empty = torch.zeros(0, dtype=dtype, device=self.comm.device)
             empty.grad = torch.zeros_like(empty)
             self._placeholders[group] = empty
@@ -331,8 +353,7 @@ class ZeroStrategy:
         # An optimizer's zero_grad() (torch's default: set_to_none) drops these references;
         # without them every piece would be skipped as if it had no gradient.
         for unit in self.units:
-            for piece in unit.pieces:
-                piece.param.grad = piece.grad
+            unit.bind_optimizer_grads()
         for empty in self._placeholders.values():
             if empty.grad is None:
                 empty.grad = torch.zeros_like(empty)
@@ -350,8 +371,16 @@ class ZeroStrategy:
         return self.gatherer.live_bytes, self.gatherer.peak_bytes
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage on this rank (staging buffers included)."""
-        return sum(u.grads.nbytes for u in self.units) + sum(p.nbytes for p in self.pools)
+        """Bytes of the gradients this rank accumulates (its slices at stages 2-3)."""
+        return sum(u.grads.nbytes for u in self.units)
+
+    def staging_bytes(self) -> int:
+        """Bytes of the buffers gradients pass through on their way to a reduction."""
+        return sum(p.nbytes for p in self.pools)
+
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 master weights (mixed precision)."""
+        return sum(u.master_nbytes for u in self.units)
 
     def managed(self) -> set[int]:
         """ids (``id()``) of the parameters inside units."""
@@ -367,3 +396,6 @@ class ZeroStrategy:
                 self.gatherer.fetch(u)
         for unit in self.units:
             unit.buffer.release()
+            for param in unit.buffer.params:
+                if hasattr(param, MASTER_OWNER):
+                    delattr(param, MASTER_OWNER)

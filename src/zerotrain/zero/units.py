@@ -19,7 +19,7 @@ from torch import nn
 
 from zerotrain.comm.buckets import plan_buckets
 from zerotrain.comm.collectives import Communicator
-from zerotrain.config.policies import GradReducePolicy
+from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy
 from zerotrain.shard.layout import FlatLayout
 from zerotrain.shard.staging import StagingPool
 from zerotrain.shard.unit import ShardedUnit
@@ -75,12 +75,15 @@ def build_units(
     comm: Communicator,
     zero: ZeroPolicy,
     reduce: GradReducePolicy,
+    precision: PrecisionPolicy | None = None,
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
     """Pack ``trainable`` into units, returned in the order their gradients are reduced,
     with the staging pools they share (stage 2; one per dtype)."""
+    precision = precision or PrecisionPolicy()
     by_dtype: dict[tuple[torch.dtype, torch.device], list[TrainableParam]] = {}
     for entry in trainable:
-        by_dtype.setdefault((entry.param.dtype, entry.param.device), []).append(entry)
+        dtype = precision.compute or entry.param.dtype
+        by_dtype.setdefault((dtype, entry.param.device), []).append(entry)
 
     if bucket_numel is None and trainable:
         total = sum(e.param.numel() for e in trainable)
@@ -101,13 +104,14 @@ def build_units(
     world = comm.world_size if zero.shard_optimizer else 1
     layouts = [FlatLayout.pack([(e.fqn, tuple(e.param.shape)) for e in b], world) for b in buckets]
     # One staging pool per dtype/device, sized for its largest unit.
+    # Staging holds gradients in the dtype they are reduced in.
     pools: dict[tuple[torch.dtype, torch.device], StagingPool] = {}
     if zero.shard_gradients:
         for bucket, layout in zip(buckets, layouts, strict=True):
             p = bucket[0].param
-            key = (p.dtype, p.device)
+            key = (precision.resolve(p.dtype)[2], p.device)
             size = max(layout.padded_numel, pools[key].numel if key in pools else 0)
-            pools[key] = StagingPool(size, p.dtype, p.device, count=2 if reduce.overlap else 1)
+            pools[key] = StagingPool(size, key[0], p.device, count=2 if reduce.overlap else 1)
     units = [
         ShardedUnit(
             index,
@@ -118,7 +122,8 @@ def build_units(
             comm,
             zero,
             reduce,
-            pools.get((bucket[0].param.dtype, bucket[0].param.device)),
+            pools.get((precision.resolve(bucket[0].param.dtype)[2], bucket[0].param.device)),
+            precision=precision,
         )
         for index, (bucket, layout) in enumerate(zip(buckets, layouts, strict=True))
     ]
@@ -133,6 +138,7 @@ def build_module_units(
     zero: ZeroPolicy,
     reduce: GradReducePolicy,
     values: ValueLookup | None = None,
+    precision: PrecisionPolicy | None = None,
 ) -> tuple[list[ShardedUnit], list[StagingPool], list[nn.Module]]:
     """Stage 3: one unit per block of the model plus the root unit (see
     ``zero/module_units.py``), returned in the order their gradients are reduced (the last
@@ -140,6 +146,7 @@ def build_module_units(
 
     Frozen parameters are partitioned and gathered with their unit but get no gradient.
     """
+    precision = precision or PrecisionPolicy()
     blocks, root = plan_module_units(model, unit_classes)
     planned = [*reversed(blocks), *([root] if root is not None else [])]
     tags = {id(e.param): e for e in trainable}
@@ -156,7 +163,7 @@ def build_module_units(
     for planned_unit in planned:
         members = sorted(planned_unit.params, key=order)
         dtypes = {p.dtype for _, p in members}
-        if len(dtypes) != 1:
+        if len(dtypes) != 1 and precision.compute is None:
             raise ValueError(
                 f"stage 3 gathers each unit as one buffer, but the parameters of "
                 f"'{planned_unit.label}' mix dtypes {sorted(map(str, dtypes))}; cast the "
@@ -164,7 +171,7 @@ def build_module_units(
             )
         layout = FlatLayout.pack([(n, tuple(p.shape)) for n, p in members], comm.world_size)
         layouts.append((planned_unit, members, layout))
-        dtype = members[0][1].dtype
+        dtype = precision.resolve(members[0][1].dtype)[2]  # staging: the reduction's dtype
         largest[dtype] = max(largest.get(dtype, 0), layout.padded_numel)
     # The root unit's early gradients (final norm, head) are staged for the whole backward
     # pass while the blocks' come and go: two buffers, so the blocks never wait for a third.
@@ -184,10 +191,11 @@ def build_module_units(
                 comm,
                 zero,
                 reduce,
-                pools[members[0][1].dtype],
+                pools[precision.resolve(members[0][1].dtype)[2]],
                 trainable=[id(p) in tags for _, p in members],
                 label=planned_unit.label,
                 values=source,
+                precision=precision,
             )
         )
     return units, list(pools.values()), [p.module for p, _, _ in layouts]

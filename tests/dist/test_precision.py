@@ -1,0 +1,439 @@
+"""Mixed precision: bf16 tracks fp32 training, the fp32 master is what the optimizer
+updates, fp16 overflows skip the step on every rank and move the loss scale, and memory
+per rank follows the ZeRO paper's mixed-precision Adam accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerotrain
+from tests.helpers.training import (
+    RunSpec,
+    global_batches,
+    make_model,
+    micro_batch,
+    run_training,
+    train_reference,
+    train_zerotrain,
+    zerotrain_config,
+)
+from zerotrain.comm.collectives import Communicator
+from zerotrain.config.errors import ConfigError
+from zerotrain.examples.gpt import GPTConfig
+from zerotrain.testing.dist import run_distributed
+
+STAGES = [0, 1, 2, 3]
+# The demo's GPT at a size two CPU cores train 100 steps of in seconds; 2048 tokens per
+# step, so a step's loss is not dominated by a handful of tokens.
+DEMO_GPT = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False)
+DEMO_RUN = {"model": DEMO_GPT, "micro_batch": 8, "opt_params": {"lr": 1e-3, "weight_decay": 0.01}}
+
+
+def _zero(stage: int) -> dict:
+    # Stage 3: every unit partitioned (the tiny GPT's blocks are below the default
+    # persistence threshold).
+    if stage == 3:
+        return {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4000}
+    return {"stage": stage, "reduce_bucket_size": 4000}
+
+
+def _bf16_run(spec: RunSpec) -> dict:
+    result = train_zerotrain(spec)
+    engine_dtypes = {p.dtype for p in result["params"].values()}
+    return {**result, "dtypes": sorted(map(str, engine_dtypes))}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_follows_the_fp32_loss_curve_for_100_steps(stage):
+    """The demo GPT on 2 ranks, accumulation 2, clipping: within 2% of fp32 training of
+    the same global batches at every 10th step (measured: within 0.7%)."""
+    bf16 = RunSpec(
+        stage=stage,
+        steps=100,
+        extra_config={"bf16": {"enabled": True}, "zero_optimization": _zero(stage)},
+        **DEMO_RUN,
+    )
+    results = run_distributed(_bf16_run, 2, bf16)
+    reference = train_reference(RunSpec(steps=100, **DEMO_RUN), 2)
+    ref = reference["losses"]
+    for result in results:
+        assert result["dtypes"] == ["torch.bfloat16"]  # parameters live in bf16
+        got = result["losses"]
+        for step in [*range(0, 100, 10), 99]:
+            rel = abs(got[step] - ref[step]) / ref[step]
+            assert rel < 0.02, f"step {step}: bf16 {got[step]:.4f} vs fp32 {ref[step]:.4f}"
+    assert ref[99] < ref[0] - 1.0  # it trained
+
+
+def _tiny_updates(stage: int) -> dict:
+    """SGD steps of 5e-4 on weights at 1.0: each step is below half of bf16's spacing
+    there (2**-9), so only an fp32 master can accumulate them."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8, bias=False)
+    nn.init.ones_(model.weight)
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "SGD", "params": {"lr": 5e-4}},
+        "zero_optimization": _zero(stage),
+    }
+    engine, optimizer, _, _ = zerotrain.initialize(model=model, config=config)
+    x = torch.ones(1, 8)  # d(sum of outputs) / d(weight) = 1 for every element
+
+    def step() -> None:
+        engine.backward(engine(x).sum())
+        engine.step()
+
+    def weights() -> torch.Tensor:
+        with zerotrain.zero.GatheredParameters([model.weight]):
+            return model.weight.detach().clone()
+
+    def master() -> list[float]:
+        return [v for g in optimizer.param_groups for p in g["params"] for v in p.tolist()]
+
+    for _ in range(3):
+        step()
+    after3 = (weights(), master())
+    for _ in range(5):
+        step()
+    return {
+        "dtype": str(model.weight.dtype),
+        "after3": after3,
+        "after8": (weights(), master()),
+        "master_dtypes": {str(p.dtype) for g in optimizer.param_groups for p in g["params"]},
+    }
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_updates_below_bf16_resolution_accumulate_in_the_fp32_master(stage):
+    for out in run_distributed(_tiny_updates, 2, stage):
+        assert out["dtype"] == "torch.bfloat16"
+        assert out["master_dtypes"] == {"torch.float32"}
+        weights3, master3 = out["after3"]
+        # Three updates later the bf16 weights have not moved (1 - 1.5e-3 rounds to 1) ...
+        assert torch.equal(weights3, torch.ones(8, 8, dtype=torch.bfloat16))
+        # ... but the master holds every one of them (padding of a shard stays 0).
+        real = [v for v in master3 if v != 0.0]
+        assert real
+        assert all(abs(v - (1 - 3 * 5e-4)) < 1e-6 for v in real)
+        weights8, master8 = out["after8"]
+        real = [v for v in master8 if v != 0.0]
+        assert all(abs(v - (1 - 8 * 5e-4)) < 1e-6 for v in real)
+        # The weights are now the master rounded to bf16 (0.99609375); updates applied to
+        # bf16 weights directly would never have left 1.0.
+        expected = torch.full((8, 8), 1 - 8 * 5e-4).to(torch.bfloat16)
+        assert torch.equal(weights8, expected)
+
+
+# -- fp16: overflow and loss scaling ---------------------------------------------------------
+
+
+FP16 = {
+    "enabled": True,
+    "initial_scale_power": 8,
+    "loss_scale_window": 3,
+    "hysteresis": 1,
+    "min_loss_scale": 1,
+}
+
+
+def _overflow(stage: int) -> dict:
+    """Steps 1-2 clean, step 3 gets an inf gradient on rank 1 only, steps 4-6 clean."""
+    spec = RunSpec(
+        stage=stage,
+        steps=6,
+        extra_config={"fp16": FP16, "zero_optimization": _zero(stage)},
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(spec)
+    engine, optimizer, _, _ = zerotrain.initialize(
+        model=model, config=zerotrain_config(spec, world)
+    )
+    inject = {"now": False}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if not inject["now"]:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    model.blocks[1].mlp.fc.weight.register_hook(poison)
+
+    def snapshot() -> dict:
+        with zerotrain.zero.GatheredParameters(model.parameters()):
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        moments = [s["exp_avg"].clone() for s in optimizer.state.values() if "exp_avg" in s]
+        return {"params": params, "moments": moments}
+
+    batches = global_batches(spec, world)
+    record = []
+    for step in range(spec.steps):
+        before = snapshot() if step == 2 else None
+        for micro in range(spec.grad_accum):
+            inject["now"] = step == 2 and rank == 1 and micro == 1
+            x, y = micro_batch(batches, spec, step, micro, rank, world)
+            engine.backward(engine(x, y))
+            engine.step()
+        entry = {
+            "scale": engine.loss_scale,
+            "skipped": engine.skipped_steps,
+            "applied": engine.was_step_applied(),
+        }
+        if before is not None:
+            after = snapshot()
+            entry["params_unchanged"] = all(
+                torch.equal(before["params"][n], after["params"][n]) for n in before["params"]
+            )
+            entry["moments_unchanged"] = len(before["moments"]) == len(after["moments"]) and all(
+                torch.equal(a, b) for a, b in zip(before["moments"], after["moments"], strict=True)
+            )
+        record.append(entry)
+    return {"record": record, "dtype": str(next(model.parameters()).dtype)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
+    for out in run_distributed(_overflow, 2, stage):
+        record = out["record"]
+        assert out["dtype"] == "torch.float16"
+        assert [r["scale"] for r in record] == [256, 256, 128, 128, 128, 256]
+        assert [r["skipped"] for r in record] == [0, 0, 1, 1, 1, 1]
+        assert [r["applied"] for r in record] == [True, True, False, True, True, True]
+        assert record[2]["params_unchanged"]
+        assert record[2]["moments_unchanged"]
+
+
+def _static_scale() -> dict:
+    spec = RunSpec(stage=2, steps=3, extra_config={"fp16": {"enabled": True, "loss_scale": 64}})
+    result = train_zerotrain(spec)
+    return result
+
+
+def test_fp16_with_a_static_scale_trains_like_fp32():
+    spec = RunSpec(stage=2, steps=3)
+    reference = train_reference(spec, 2)
+    for result in run_distributed(_static_scale, 2):
+        for got, ref in zip(result["losses"], reference["losses"], strict=True):
+            assert abs(got - ref) / ref < 0.01
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+def _memory(stage: int, accum: str) -> dict:
+    spec = RunSpec(
+        stage=stage,
+        steps=1,
+        grad_accum=1,
+        extra_config={
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": accum},
+            "zero_optimization": _zero(stage),
+        },
+    )
+    world = dist.get_world_size()
+    model = make_model(spec)
+    numel = sum(p.numel() for p in model.parameters())
+    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, world))
+    x, y = micro_batch(global_batches(spec, world), spec, 0, 0, dist.get_rank(), world)
+    engine.backward(engine(x, y))
+    engine.step()
+    units = engine.strategy.units
+    return {
+        **engine.memory_breakdown().as_dict(),
+        "numel": numel,
+        "units": len(units),
+        "pieces": sum(len(u.pieces) for u in units),
+    }
+
+
+@pytest.mark.parametrize("accum", ["bf16", "fp32"])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bf16_memory_per_rank_follows_the_zero_paper(stage, world_size, accum):
+    """2 bytes of parameters + G bytes of gradients + 12 bytes of fp32 master and Adam
+    moments per parameter, each divided by N where the stage partitions it (the paper keeps
+    16-bit gradients, G = 2; zerotrain's default fp32 accumulation has G = 4)."""
+    g = 2 if accum == "bf16" else 4
+    for out in run_distributed(_memory, world_size, stage, accum):
+        psi, n = out["numel"], world_size
+        # bytes per parameter, and whether the stage divides that category by N
+        categories = {
+            "params": (2, stage >= 3),
+            "grads": (g, stage >= 2),
+            "master_weights": (4, stage >= 1),
+            "optimizer_states": (8, stage >= 1),
+        }
+        expected = {k: b * psi / (n if split else 1) for k, (b, split) in categories.items()}
+        padding = 16 * n * out["units"]  # under n padding elements per unit, 16 bytes each
+        steps = 4 * out["pieces"]  # Adam's step counter: one fp32 scalar per piece
+        for key, value in expected.items():
+            extra = steps if key == "optimizer_states" else 0
+            assert abs(out[key] - extra - value) <= padding, (key, out[key], value)
+        paper = (2 + g + 12) * psi if stage == 0 else None
+        if paper is not None:
+            total = out["params"] + out["grads"] + out["master_weights"]
+            assert abs(total + out["optimizer_states"] - steps - paper) <= padding
+
+
+# -- configuration and communication ---------------------------------------------------------
+
+
+def _bf16_comm(comm_dtype: str | None) -> dict:
+    extra = {"bf16": {"enabled": True}, "zero_optimization": _zero(2)}
+    if comm_dtype:
+        extra["communication_data_type"] = comm_dtype
+    spec = RunSpec(stage=2, steps=5, extra_config=extra)
+    model = make_model(spec)
+    engine, *_ = zerotrain.initialize(
+        model=model, config=zerotrain_config(spec, dist.get_world_size())
+    )
+    result = run_training(engine, spec, model)
+    result["grad_bytes"] = engine.comm_stats().get(purpose="gradients").payload_bytes
+    return result
+
+
+def test_communication_data_type_halves_gradient_bytes_and_still_trains():
+    fp32 = run_distributed(_bf16_comm, 2, None)[0]
+    bf16 = run_distributed(_bf16_comm, 2, "bf16")[0]
+    assert bf16["grad_bytes"] * 2 == fp32["grad_bytes"]
+    for a, b in zip(fp32["losses"], bf16["losses"], strict=True):
+        assert abs(a - b) / a < 0.01
+
+
+def _reduce_through_fp32() -> dict:
+    comm = Communicator(shared_memory=False)
+    for dtype in (torch.bfloat16, torch.float16):
+        comm._native[("cpu", dtype)] = False  # as on a gloo build without 16-bit sums
+    rank, world = dist.get_rank(), dist.get_world_size()
+    every = [torch.randn(8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mine = every[rank].to(torch.bfloat16)
+    summed = mine.clone()
+    comm.all_reduce(summed, purpose="test")
+    out = torch.empty(8 // world, dtype=torch.bfloat16)
+    comm.reduce_scatter(out, mine.clone(), purpose="test")
+    gathered = torch.empty(8 * world, dtype=torch.bfloat16)
+    comm.all_gather_into(gathered, mine, purpose="test")
+    exact = sum(t.to(torch.bfloat16).float() for t in every)
+    return {
+        "summed": summed,
+        "out": out,
+        "gathered": gathered,
+        "expected_sum": exact.to(torch.bfloat16),  # the fp32 sum, rounded once
+        "expected_gather": torch.cat([t.to(torch.bfloat16) for t in every]),
+        "reduced_bytes": comm.snapshot().get(op="all_reduce", purpose="test").payload_bytes,
+    }
+
+
+def test_comm_layer_reduces_16_bit_tensors_in_fp32_where_the_backend_cannot():
+    for rank, out in enumerate(run_distributed(_reduce_through_fp32, 2)):
+        assert torch.equal(out["summed"], out["expected_sum"])
+        assert torch.equal(out["out"], out["expected_sum"][rank * 4 : (rank + 1) * 4])
+        assert torch.equal(out["gathered"], out["expected_gather"])  # bits moved unchanged
+        assert out["reduced_bytes"] == 8 * 4  # carried as fp32
+
+
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled"),
+        (
+            {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
+            "data_types.grad_accum_dtype",
+        ),
+        ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
+    ],
+)
+def test_contradictory_precision_settings_are_refused(config, path):
+    from zerotrain.config.loader import load_config
+    from zerotrain.config.policies import to_policies
+
+    cfg = load_config({"train_batch_size": 2, **config})
+    with pytest.raises(ConfigError) as err:
+        to_policies(cfg, 1)
+    assert path in str(err.value)
+
+
+def _modify_then_step(stage: int) -> list[float]:
+    model = nn.Linear(4, 4, bias=False)
+    nn.init.ones_(model.weight)
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_optimization": _zero(stage),
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    with zerotrain.zero.GatheredParameters([model.weight], modifier_rank=0):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                model.weight.fill_(2.0)
+    engine.backward(engine(torch.ones(1, 4)).sum())
+    engine.step()  # lr 0: rounds the master into the weights again
+    with zerotrain.zero.GatheredParameters([model.weight]):
+        return model.weight.float().flatten().tolist()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_changes_made_in_gathered_parameters_reach_the_master(stage):
+    for weights in run_distributed(_modify_then_step, 2, stage):
+        assert weights == [2.0] * 16  # not written back to 1.0 by the next step
+
+
+def _user_optimizer(kind: str) -> list[float]:
+    spec = RunSpec(stage=0, steps=4, clip=0.0, extra_config={"bf16": {"enabled": True}})
+    model = make_model(spec)
+    config = zerotrain_config(spec, dist.get_world_size())
+    optimizer = None
+    if kind == "user":
+        del config["optimizer"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    engine, *_ = zerotrain.initialize(model=model, optimizer=optimizer, config=config)
+    return run_training(engine, spec, model)["losses"]
+
+
+def test_a_user_optimizer_at_stage_0_steps_the_fp32_master():
+    """A torch optimizer passed in holds the bf16 parameters; zerotrain rebuilds it over
+    the fp32 master (as it does at stages >= 1), so it trains like the config's AdamW."""
+    config = run_distributed(_user_optimizer, 2, "config")[0]
+    user = run_distributed(_user_optimizer, 2, "user")[0]
+    assert user == config
+
+
+def _master_from_init() -> dict:
+    from zerotrain.comm.env import init_distributed
+    from zerotrain.examples.gpt import GPT
+    from zerotrain.shard.owned import copy_owned_range
+
+    init_distributed()
+    torch.manual_seed(3)
+    built = dict(GPT(DEMO_GPT).named_parameters())
+    torch.manual_seed(3)
+    with zerotrain.zero.Init():
+        model = GPT(DEMO_GPT)
+    config = {"train_batch_size": 2, "bf16": {"enabled": True}, "zero_optimization": _zero(3)}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    same, rounded = [], []
+    for unit in engine.strategy.units:
+        layout = unit.buffer.layout
+
+        def value(i: int, layout=layout) -> torch.Tensor:
+            return built[layout.params[i].fqn].detach()
+
+        expected = copy_owned_range(layout, unit.owned, value, torch.float32, unit.master.device)
+        same.append(torch.equal(unit.master, expected))
+        rounded.append(torch.equal(unit.master, unit.master.bfloat16().float()))
+    return {"same": same, "rounded": rounded}
+
+
+def test_zero_init_master_weights_hold_the_fp32_initial_values():
+    """A model built by zero.Init and trained in bf16 at stage 3: each rank's master slice
+    is the fp32 initialisation itself, not its bf16 rounding."""
+    for out in run_distributed(_master_from_init, 2):
+        assert out["same"]
+        assert all(out["same"])
+        assert not any(out["rounded"])
