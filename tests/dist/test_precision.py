@@ -167,7 +167,10 @@ def _overflow(stage: int) -> dict:
         with zerotrain.zero.GatheredParameters(model.parameters()):
             params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         moments = [s["exp_avg"].clone() for s in optimizer.state.values() if "exp_avg" in s]
-        return {"params": params, "moments": moments}
+        # The fp32 master slices the optimizer steps (a skipped step must not touch them
+        # either: the next step would round them into the parameters).
+        master = [p.clone() for g in optimizer.param_groups for p in g["params"]]
+        return {"params": params, "moments": moments + master}
 
     batches = global_batches(spec, world)
     record = []
@@ -204,7 +207,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
         assert [r["skipped"] for r in record] == [0, 0, 1, 1, 1, 1]
         assert [r["applied"] for r in record] == [True, True, False, True, True, True]
         assert record[2]["params_unchanged"]
-        assert record[2]["moments_unchanged"]
+        assert record[2]["moments_unchanged"]  # Adam's moments and the fp32 master
 
 
 def _static_scale() -> dict:
@@ -342,6 +345,10 @@ def test_comm_layer_reduces_16_bit_tensors_in_fp32_where_the_backend_cannot():
     [
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled"),
         (
+            {"bf16": {"enabled": True}, "communication_data_type": "fp16"},
+            "communication_data_type",
+        ),
+        (
             {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
             "data_types.grad_accum_dtype",
         ),
@@ -437,3 +444,203 @@ def test_zero_init_master_weights_hold_the_fp32_initial_values():
         assert out["same"]
         assert all(out["same"])
         assert not any(out["rounded"])
+
+
+# -- gradient arithmetic with a scale-sensitive optimizer ------------------------------------
+
+
+def _sgd_run(precision: dict, stage: int) -> dict:
+    # SGD (unlike Adam) moves by the gradient itself: a wrong 1/accumulation or 1/world
+    # division, or a loss scale left in, changes the weights.
+    spec = RunSpec(
+        stage=stage,
+        steps=4,
+        grad_accum=3,
+        clip=0.0,
+        optimizer="SGD",
+        opt_params={"lr": 0.1},
+        extra_config={**precision, "zero_optimization": _zero(stage)},
+        **{k: v for k, v in DEMO_RUN.items() if k != "opt_params"},
+    )
+    model = make_model(spec)
+    engine, *_ = zerotrain.initialize(
+        model=model, config=zerotrain_config(spec, dist.get_world_size())
+    )
+    norms = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = global_batches(spec, world)
+    for step in range(spec.steps):
+        for micro in range(spec.grad_accum):
+            x, y = micro_batch(batches, spec, step, micro, rank, world)
+            engine.backward(engine(x, y))
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {"norms": norms, "weights": weights, "skipped": engine.skipped_steps}
+
+
+@pytest.mark.parametrize(
+    ("precision", "stage"),
+    [
+        ({"bf16": {"enabled": True}}, 1),
+        ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, 0),
+        ({"fp16": {"enabled": True, "initial_scale_power": 10}}, 2),
+        ({"fp16": {"enabled": True, "loss_scale": 128}, "data_types": {"grad_accum_dtype": "fp16"}}, 1),
+        ({"fp16": {"enabled": True, "initial_scale_power": 10}}, 3),
+    ],
+)
+def test_gradients_are_averaged_and_unscaled_like_fp32(precision, stage):
+    """Accumulation 3 on 2 ranks with SGD: gradient norms within 1% and weights within
+    bf16/fp16 resolution of the same training in fp32."""
+    fp32 = run_distributed(_sgd_run, 2, {}, stage)[0]
+    mixed = run_distributed(_sgd_run, 2, precision, stage)[0]
+    assert mixed["skipped"] == 0
+    for a, b in zip(mixed["norms"], fp32["norms"], strict=True):
+        assert abs(a - b) / b < 0.01, (mixed["norms"], fp32["norms"])
+    for name, ref in fp32["weights"].items():
+        diff = (mixed["weights"][name] - ref).abs().max().item()
+        assert diff < 0.02 * max(ref.abs().max().item(), 1.0), name
+
+
+# -- overflow in bf16, fp16 communication, frozen parameters, destroy() ---------------------
+
+
+def _bf16_nan(check: bool) -> dict:
+    model = nn.Linear(4, 4, bias=False)
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True, "check_grad_overflow": check},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": _zero(2),
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    poison = model.weight.register_hook(lambda g: g * float("nan"))
+    x = torch.ones(1, 4) * (1 if dist.get_rank() == 0 else 2)
+    engine.backward(engine(x).sum())
+    engine.step()
+    poison.remove()
+    with zerotrain.zero.GatheredParameters([model.weight]):
+        finite = bool(torch.isfinite(model.weight).all())
+    return {"finite": finite, "skipped": engine.skipped_steps}
+
+
+def test_bf16_check_grad_overflow_skips_non_finite_steps():
+    assert run_distributed(_bf16_nan, 2, True) == [{"finite": True, "skipped": 1}] * 2
+    # Without the check bf16 applies the step, as DeepSpeed does.
+    assert run_distributed(_bf16_nan, 2, False) == [{"finite": False, "skipped": 0}] * 2
+
+
+def _frozen_master(stage: int) -> dict:
+    spec = RunSpec(
+        stage=stage,
+        steps=1,
+        grad_accum=1,
+        extra_config={"bf16": {"enabled": True}, "zero_optimization": _zero(stage)},
+    )
+    model = make_model(spec)
+    for block in model.blocks:
+        block.requires_grad_(False)  # only the embeddings and the final norm train
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine, *_ = zerotrain.initialize(
+        model=model, config=zerotrain_config(spec, dist.get_world_size())
+    )
+    return {"master": engine.memory_breakdown().master_weights, "trainable": trainable}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_frozen_parameters_get_no_master_copy(stage):
+    for out in run_distributed(_frozen_master, 2, stage):
+        shards = 1 if stage == 0 else 2
+        assert out["master"] <= 4 * out["trainable"] / shards + 4 * 2 * 8
+
+
+def _destroy(stage: int) -> dict:
+    model = nn.Linear(8, 8, bias=False)
+    nn.init.constant_(model.weight, 1.0)
+    model.register_buffer("scale", torch.full((2,), 1 / 3))
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "SGD", "params": {"lr": 5e-4}},
+        "zero_optimization": _zero(stage),
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    for _ in range(3):
+        engine.backward(engine(torch.ones(1, 8)).sum())
+        engine.step()
+    engine.destroy()
+    return {
+        "weight": model.weight.detach().clone(),
+        "buffer": model.scale.clone(),
+    }
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_destroy_hands_back_the_fp32_master(stage):
+    """After engine.destroy() the model is in its own dtype again, holding the master
+    values (three updates of 5e-4 that its bf16 copy never showed)."""
+    for out in run_distributed(_destroy, 2, stage):
+        assert out["weight"].dtype == torch.float32
+        assert torch.allclose(out["weight"], torch.full((8, 8), 1 - 3 * 5e-4), atol=1e-6)
+        assert out["buffer"].dtype == torch.float32
+
+
+def _load_after_initialize(stage: int) -> list[float]:
+    model = nn.Linear(4, 4, bias=False)
+    nn.init.constant_(model.weight, 1.0)
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_optimization": _zero(stage),
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    model.load_state_dict({"weight": torch.full((4, 4), 0.5)})  # same on every rank
+    engine.backward(engine(torch.ones(1, 4)).sum())
+    engine.step()
+    return model.weight.float().flatten().tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameters_loaded_after_initialize_reach_the_master(stage):
+    for weights in run_distributed(_load_after_initialize, 2, stage):
+        assert weights == [0.5] * 16  # not overwritten by the stale master at the step
+
+
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.seen = (x.dtype, target.dtype)
+        return ((self.lin(x).float() - target) ** 2).mean()
+
+
+def _inputs(auto_cast: bool) -> dict:
+    model = _Regression()
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True, "auto_cast": auto_cast},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    x = torch.ones(1, 4)
+    target = torch.tensor([[999.0]])  # 1000 in bf16
+    engine.backward(engine(x.bfloat16(), target=target))
+    engine.step()
+    try:
+        engine(x, target=target)
+        plain_input = "accepted"
+    except RuntimeError as err:
+        plain_input = "dtype" if "dtype" in str(err) else str(err)
+    return {"seen": [str(d) for d in model.seen], "fp32 input": plain_input}
+
+
+def test_inputs_are_cast_unless_auto_cast_is_off():
+    cast = run_distributed(_inputs, 2, True)[0]
+    assert cast == {"seen": ["torch.bfloat16", "torch.bfloat16"], "fp32 input": "accepted"}
+    kept = run_distributed(_inputs, 2, False)[0]
+    # The float target keeps its exact value; an fp32 input meets bf16 weights and fails.
+    assert kept == {"seen": ["torch.float32", "torch.float32"], "fp32 input": "dtype"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zerotrain.config.policies import LossScalePolicy
-from zerotrain.precision.loss_scaler import LossScaler
+from zerotrain.precision.loss_scaler import LossScaleError, LossScaler
 
 
 def _scaler(**kw) -> LossScaler:
@@ -51,8 +51,11 @@ def test_hysteresis_forgives_overflows_until_the_scale_grows():
     assert _run(consecutive, "x.x") == [s, s, s]
 
 
-def test_scale_never_drops_below_the_minimum():
-    assert _run(_scaler(initial_scale=4.0, min_scale=2.0), "xxx") == [2.0, 2.0, 2.0]
+def test_an_overflow_at_the_minimum_scale_stops_training():
+    scaler = _scaler(initial_scale=4.0, min_scale=2.0)
+    assert _run(scaler, "x") == [2.0]
+    with pytest.raises(LossScaleError, match=r"fp16\.min_loss_scale \(2\)"):
+        scaler.update(True)
 
 
 def test_static_scale_never_moves():

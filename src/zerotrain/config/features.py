@@ -173,11 +173,6 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
                     f"optimizer.params.{key}: zerotrain chooses the kernel itself "
                     "(fused where torch has one); this key has no effect"
                 )
-    if cfg.fp16.enabled and "auto_cast" in cfg.fp16.model_fields_set:
-        notes.append(
-            "fp16.auto_cast: floating-point inputs are always cast to the compute dtype; "
-            "this key has no effect"
-        )
     if cfg.bf16.enabled and "immediate_grad_update" in cfg.bf16.model_fields_set:
         notes.append(
             "bf16.immediate_grad_update: gradients are always added into the accumulation "

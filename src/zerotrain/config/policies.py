@@ -99,7 +99,8 @@ class PrecisionPolicy:
     the parameters. ``grad_accum``: the buffer gradients are summed into across micro-steps
     (None: fp32 under mixed precision, else the parameters' dtype); ``comm``: the dtype
     gradients are reduced in (None: the same default). ``check_overflow``: skip a step whose
-    gradients hold inf/NaN (always with fp16).
+    gradients hold inf/NaN (always with fp16). ``cast_inputs``: cast floating-point inputs
+    of the forward pass to ``compute``.
     """
 
     compute: torch.dtype | None = None
@@ -107,6 +108,7 @@ class PrecisionPolicy:
     comm: torch.dtype | None = None
     loss_scale: LossScalePolicy | None = None
     check_overflow: bool = False
+    cast_inputs: bool = True
 
     @property
     def master_weights(self) -> bool:
@@ -115,9 +117,28 @@ class PrecisionPolicy:
 
     def resolve(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """``(compute, accumulation, communication)`` dtypes for parameters that the model
-        holds in ``model_dtype``."""
+        holds in ``model_dtype``.
+
+        Raises:
+            ConfigError: an accumulation dtype other than the parameters' own without master
+                weights (the optimizer would step the parameters with gradients it cannot
+                hold as their ``.grad``).
+        """
         compute = self.compute or model_dtype
         default = torch.float32 if self.master_weights else model_dtype
+        if not self.master_weights and self.grad_accum not in (None, model_dtype):
+            name = short_dtype_name(model_dtype)
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "data_types.grad_accum_dtype",
+                        f"got {short_dtype_name(self.grad_accum)}, but the model's parameters "
+                        f"are {name} and neither bf16 nor fp16 is enabled, so gradients "
+                        f"accumulate in {name}; enable bf16/fp16 (fp32 master weights) to "
+                        "accumulate in another dtype, or remove the key",
+                    )
+                ]
+            )
         return compute, self.grad_accum or default, self.comm or default
 
 
@@ -238,9 +259,19 @@ def resolve_precision(cfg: ZeroTrainConfig) -> PrecisionPolicy:
                     f"{short_dtype_name(compute or torch.float32)}; allowed: {spelled}{needs}",
                 )
             )
+    comm = DTYPE_BY_NAME[cfg.communication_data_type] if cfg.communication_data_type else None
+    if comm == torch.float16 and compute != torch.float16:
+        # Without a loss scale small gradients flush to zero in fp16 and large ones become
+        # inf, which nothing would catch.
+        problems.append(
+            ConfigProblem(
+                "communication_data_type",
+                f"got {cfg.communication_data_type!r}, which needs fp16.enabled (fp16 holds "
+                "gradients only under a loss scale); allowed here: fp32 or bf16",
+            )
+        )
     if problems:
         raise ConfigError(problems)
-    comm = DTYPE_BY_NAME[cfg.communication_data_type] if cfg.communication_data_type else None
     scaling = None
     if cfg.fp16.enabled:
         fp16 = cfg.fp16
@@ -258,6 +289,7 @@ def resolve_precision(cfg: ZeroTrainConfig) -> PrecisionPolicy:
         comm=comm,
         loss_scale=scaling,
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
+        cast_inputs=cfg.fp16.auto_cast if cfg.fp16.enabled else cfg.bf16.auto_cast,
     )
 
 

@@ -49,7 +49,9 @@ class FP16Config(Section):
     """``fp16``: float16 compute with fp32 master weights and loss scaling."""
 
     enabled: Bool = False
-    auto_cast: Bool = False
+    # Cast floating-point forward inputs to fp16 (DeepSpeed's default is false; zerotrain
+    # casts unless told not to, as FSDP2 does).
+    auto_cast: Bool = True
     loss_scale: NonNegativeFloat = 0.0  # 0 = dynamic scaling
     initial_scale_power: NonNegativeInt = 16
     loss_scale_window: PositiveInt = 1000
@@ -63,6 +65,7 @@ class BF16Config(Section):
     """``bf16`` (legacy spelling ``bfloat16``): bfloat16 compute with fp32 master weights."""
 
     enabled: Bool = False
+    auto_cast: Bool = True  # zerotrain key: cast floating-point forward inputs to bf16
     immediate_grad_update: Bool = False
     check_grad_overflow: Bool = False
     # bf16 needs no loss scaling; old configs carry "loss_scale": 1.0, which is harmless.

@@ -90,6 +90,11 @@ class Engine(nn.Module):
         self.loss_scaler = LossScaler(scaling) if scaling is not None else None
         self.skipped_steps = 0
         self._step_applied = True
+        # What the units did not take (frozen parameters at stages 0-2, buffers) is cast to
+        # the compute dtype too, as after model.to(dtype); destroy() casts it back.
+        self._cast_back: list[tuple[torch.Tensor, torch.dtype]] = []
+        if self.precision.compute is not None:
+            self._cast_back = _cast_the_rest(module, strategy.managed(), self.precision.compute)
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -103,9 +108,10 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (same signature as the model). Under mixed precision,
-        floating-point tensors among the inputs are cast to the compute dtype first."""
+        floating-point tensors among the inputs are cast to the compute dtype first (unless
+        ``bf16.auto_cast`` / ``fp16.auto_cast`` is false)."""
         dtype = self.precision.compute
-        if dtype is not None:
+        if dtype is not None and self.precision.cast_inputs:
             args, kwargs = _cast_floating((args, kwargs), dtype)
         return self.module(*args, **kwargs)
 
@@ -138,8 +144,10 @@ class Engine(nn.Module):
         gas = self.policy.batch.gradient_accumulation_steps
         divisor = self.policy.loss_divisor
         if self.loss_scaler is not None:
-            # In fp32: the scaled value of a 16-bit loss would overflow.
-            scaled = loss.float() * (self.loss_scaler.scale / divisor)
+            # Scaled in fp32 so the product itself cannot overflow; the gradient reaching an
+            # fp16 loss is still the scale in fp16 (2**16 is inf there: the first dynamic
+            # steps overflow and lower it, as in DeepSpeed).
+            scaled = loss.float() * (self.loss_scale / divisor)
         else:
             scaled = loss / divisor if divisor > 1 else loss
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
@@ -301,8 +309,15 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         """Detach the engine from the model: hooks removed, parameters in their own storage
-        again (the model can then be trained without zerotrain, or wrapped anew)."""
+        again (the model can then be trained without zerotrain, or wrapped anew). Under
+        mixed precision the model returns to the dtypes it had, with the fp32 master values
+        (frozen stage-3 parameters keep their compute-dtype values). Collective at stage 3
+        and wherever master weights are partitioned: call it on every rank."""
         self.strategy.remove()
+        with torch.no_grad():
+            for tensor, dtype in self._cast_back:
+                tensor.data = tensor.data.to(dtype)
+        self._cast_back.clear()
 
     # -- logging --------------------------------------------------------------------------------
 
@@ -340,3 +355,18 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: _cast_floating(v, dtype) for k, v in value.items()}
     return value
+
+
+def _cast_the_rest(
+    model: nn.Module, managed: set[int], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.dtype]]:
+    """Cast floating-point parameters outside the units and buffers to ``dtype``; returns
+    each with the dtype it had."""
+    cast = []
+    with torch.no_grad():
+        loose = [p for p in model.parameters() if id(p) not in managed]
+        for tensor in [*loose, *model.buffers()]:
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                cast.append((tensor, tensor.dtype))
+                tensor.data = tensor.data.to(dtype)
+    return cast

@@ -85,18 +85,6 @@ def _check_not_wrapped(model: nn.Module) -> None:
             )
 
 
-def _cast_the_rest(model: nn.Module, managed: set[int], dtype: torch.dtype) -> None:
-    """Cast what the units did not take (frozen parameters at stages 0-2, buffers) to the
-    compute dtype, as the model would be after ``model.to(dtype)``."""
-    with torch.no_grad():
-        for param in model.parameters():
-            if id(param) not in managed and param.is_floating_point():
-                param.data = param.data.to(dtype)
-        for buffer in model.buffers():
-            if buffer.is_floating_point():
-                buffer.data = buffer.data.to(dtype)
-
-
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -190,8 +178,6 @@ def initialize(
         Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
         precision,
     )
-    if precision.compute is not None:
-        _cast_the_rest(model, strategy.managed(), precision.compute)
     opt = make_optimizer(optimizer, policies.optimizer, strategy, groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)
 
@@ -212,7 +198,9 @@ def initialize(
         "initialized: ZeRO stage %d, %s, %d rank(s), %d parameters in %d unit(s), batch %d = "
         "%d micro x %d accumulation x %d ranks",
         zero.stage,
-        "fp32" if precision.compute is None else f"{precision.compute} + fp32 master weights",
+        "the model's own dtype"
+        if precision.compute is None
+        else f"{precision.compute} with fp32 master weights",
         comm.world_size,
         sum(u.numel for u in strategy.units),
         len(strategy.units),

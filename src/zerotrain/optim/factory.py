@@ -111,8 +111,9 @@ def rebuild_over_flat(
     if cls not in ELEMENTWISE_TORCH_OPTIMIZERS:
         allowed = ", ".join(c.__name__ for c in ELEMENTWISE_TORCH_OPTIMIZERS)
         raise TypeError(
-            f"{cls.__name__} cannot be used with partitioned optimizer states: zerotrain only "
-            "knows that these torch optimizers update each element independently (so a "
+            f"{cls.__name__} cannot step zerotrain's flat shards (partitioned optimizer "
+            "states at ZeRO stages >= 1, or fp32 master weights under bf16/fp16): zerotrain "
+            "only knows that these torch optimizers update each element independently (so a "
             f"shard behaves like the whole parameter): {allowed}. Use one of them, or the "
             "config's 'optimizer' section (Adam, AdamW, SGD, Lamb)."
         )

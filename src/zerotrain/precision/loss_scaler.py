@@ -5,7 +5,9 @@ Dynamic scaling follows DeepSpeed's rules, so configs behave as their authors ex
 ``window`` clean steps in a row the scale doubles; on an overflow the step is skipped and
 the scale halves, except that ``hysteresis`` grants that many overflows of grace first (the
 grace is restored whenever the scale grows, or after every clean step with
-``consecutive_hysteresis``). The scale never drops below ``min_scale``.
+``consecutive_hysteresis``). The scale never drops below ``min_scale``; an overflow that
+would take it lower stops training with :class:`LossScaleError`, as DeepSpeed does (the
+model overflows at every scale, and skipping steps forever would hide it).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from zerotrain.config.policies import LossScalePolicy
-from zerotrain.utils.logging import get_logger
 
-log = get_logger(__name__)
+
+class LossScaleError(FloatingPointError):
+    """Gradients overflow even at the smallest loss scale allowed."""
 
 
 class LossScaler:
@@ -42,10 +45,11 @@ class LossScaler:
                 self.grace -= 1
                 return
             if self.scale <= self.policy.min_scale:
-                log.warning(
-                    "gradient overflow with the loss scale already at its minimum (%g): the "
-                    "step was skipped; the model may be diverging",
-                    self.scale,
+                raise LossScaleError(
+                    f"gradients overflowed (inf/NaN) with the loss scale already at "
+                    f"fp16.min_loss_scale ({self.policy.min_scale:g}): the model produces "
+                    "non-finite gradients at every scale. Lower the learning rate, check the "
+                    "data for inf/NaN, lower min_loss_scale, or train in bf16"
                 )
             self.scale = max(self.scale / 2.0, self.policy.min_scale)
             return

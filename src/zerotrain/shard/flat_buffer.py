@@ -69,6 +69,19 @@ class FlatParamBuffer:
         """Parameter values of ``[a, b)`` of the buffer."""
         return self.data[a:b]
 
+    def readopt(self) -> bool:
+        """Point parameters whose ``.data`` was replaced (``param.data = t``) back into the
+        buffer, taking their new values; True if any was."""
+        replaced = False
+        with torch.no_grad():
+            for i, param in enumerate(self.params):
+                view = self.view(self.data, i)
+                if param.data.data_ptr() != view.data_ptr():
+                    view.copy_(param.data)
+                    param.data = view
+                    replaced = True
+        return replaced
+
     def release(self) -> None:
         """Give every parameter its own storage again (the buffer is no longer used)."""
         with torch.no_grad():

@@ -92,18 +92,24 @@ class FullGradients:
         label: str | None = None,
     ) -> Handle:
         """Start averaging the buffer across ranks; ``shard`` holds the result when done."""
-        if policy.pre_divide != 1.0:
-            self.flat.div_(policy.pre_divide)
-        # Divided before any narrowing conversion, so sums stay in the narrower range.
+        pre, post = policy.pre_divide, policy.post_divide
+        if self.comm_dtype.itemsize < self.flat.dtype.itemsize:
+            # A 16-bit wire format is sized for an average gradient, not for the sum over
+            # ranks and micro-steps: divide completely before narrowing.
+            pre, post = pre * post, 1.0
+        if pre != 1.0:
+            self.flat.div_(pre)
         wire = self.flat if self.comm_dtype == self.flat.dtype else self.flat.to(self.comm_dtype)
         lo, hi = self.owned
         result = wire[lo:hi] if self.sharded else wire
 
         def finish() -> None:
-            if result.data_ptr() != self.shard.data_ptr():
+            # Divided in the wider dtype before any narrowing copy: one rounding.
+            target = self.shard if result.data_ptr() == self.shard.data_ptr() else result
+            if post != 1.0:
+                target.div_(post)
+            if target is not self.shard:
                 self.shard.copy_(result)
-            if policy.post_divide != 1.0:
-                self.shard.div_(policy.post_divide)
             on_done()
 
         if self.sharded:

@@ -127,24 +127,40 @@ class ShardedUnit:
             return values(i) if values is not None else params[i].detach()
 
         # The master copy comes from the parameters' own values (fp32 as built), not from
-        # their rounding to the compute dtype.
+        # their rounding to the compute dtype. It covers what the optimizer steps: the
+        # owned part of the grouped parameters, which come first in the layout (frozen and
+        # ungrouped ones last, stage 3 partitions them too).
+        self.model_dtypes = tuple(p.dtype for p in params)
+        lo, hi = self.owned
+        stepped_end = next(
+            (spec.start for spec, g in zip(layout.params, groups, strict=True) if g is None),
+            layout.padded_numel,
+        )
+        self.master_range = (lo, max(lo, min(hi, stepped_end)))
+        mlo, mhi = self.master_range
         device = comm.device if zero.shard_parameters else params[0].device
         self.master: torch.Tensor | None = None
-        if precision.master_weights:
-            self.master = copy_owned_range(layout, self.owned, value_of, torch.float32, device)
         self.buffer: FlatParamBuffer | PartitionedParams
         if zero.shard_parameters:
-            start = (
-                self.master.to(compute)
-                if self.master is not None
-                else copy_owned_range(layout, self.owned, value_of, compute, device)
-            )
-            self.buffer = PartitionedParams(layout, params, comm.rank, start)
+            wide = torch.float32 if precision.master_weights else compute
+            owned = copy_owned_range(layout, self.owned, value_of, wide, device)
+            if precision.master_weights:
+                self.master = owned if mhi == hi else owned[: mhi - mlo].clone()
+            self.buffer = PartitionedParams(layout, params, comm.rank, owned.to(compute))
         else:
+            if precision.master_weights:
+                self.master = copy_owned_range(
+                    layout, self.master_range, value_of, torch.float32, device
+                )
             self.buffer = FlatParamBuffer(layout, params, compute)
             if self.master is not None:
                 for param in params:
                     setattr(param, MASTER_OWNER, self)
+        # The parameters' version counters (stages 0-2): zerotrain writes through the
+        # buffer, which leaves them alone, so a different value at the next step means a
+        # parameter was changed outside the optimizer (``model.load_state_dict``) and the
+        # master must take the change.
+        self._seen_versions = self._param_versions()
         self.persistent = False  # stage 3: stays gathered (set by the gatherer)
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
@@ -295,16 +311,64 @@ class ShardedUnit:
         the parameters (before ``gather`` spreads it)."""
         if self.master is None:
             return
-        lo, hi = self.owned
-        self.buffer.owned_slice(lo, hi).copy_(self.master)
+        self.buffer.owned_slice(*self.master_range).copy_(self.master)
 
     def absorb(self) -> None:
         """The parameters were changed outside the optimizer (``GatheredParameters`` with a
-        ``modifier_rank``): take this rank's range of them into the master copy."""
+        ``modifier_rank``, ``model.load_state_dict``): take this rank's range of them into
+        the master copy."""
         if self.master is None:
             return
+        if isinstance(self.buffer, FlatParamBuffer):
+            self.buffer.readopt()
+        self.master.copy_(self.buffer.owned_slice(*self.master_range))
+
+    def _param_versions(self) -> tuple[int, ...]:
+        if self.master is None or not isinstance(self.buffer, FlatParamBuffer):
+            return ()
+        return tuple(p._version for p in self.buffer.params)
+
+    def note_written(self) -> None:
+        """zerotrain finished writing the parameters (after the step's all-gather)."""
+        self._seen_versions = self._param_versions()
+
+    def adopt_outside_changes(self) -> bool:
+        """Before an optimizer step (stages 0-2 under mixed precision): if the parameters
+        were written since ``note_written`` (or a ``.data`` replaced), take them into the
+        master; True if so."""
+        if self.master is None or not isinstance(self.buffer, FlatParamBuffer):
+            return False
+        replaced = self.buffer.readopt()
+        if not replaced and self._param_versions() == self._seen_versions:
+            return False
+        self.absorb()
+        self.note_written()
+        return True
+
+    def release(self) -> None:
+        """Give every parameter its own storage again, in the dtype it had before (a
+        collective when the master is partitioned). With master weights the parameters get
+        the fp32 master values; stage-3 units without them must be gathered first."""
+        if self.master is None:
+            self.buffer.release()
+            return
         lo, hi = self.owned
-        self.master.copy_(self.buffer.owned_slice(lo, hi))
+        mlo, mhi = self.master_range
+        full = torch.zeros(
+            self.buffer.layout.padded_numel, dtype=torch.float32, device=self.master.device
+        )
+        full[lo:hi].copy_(self.buffer.owned_slice(lo, hi))  # frozen parameters: as held
+        full[mlo:mhi].copy_(self.master)
+        if self.zero.shard_optimizer:
+            self.comm.all_gather_into(full, full[lo:hi], purpose="parameters", label=self.label)
+        if isinstance(self.buffer, PartitionedParams) and self.buffer.gathered:
+            self.buffer.free()
+        with torch.no_grad():
+            for i, param in enumerate(self.buffer.params):
+                param.data = self.buffer.view(full, i).to(self.model_dtypes[i], copy=True)
+                param.grad = None
+                if hasattr(param, MASTER_OWNER):
+                    delattr(param, MASTER_OWNER)
 
     def gather(self) -> Handle | None:
         """After an optimizer step: all-gather the updated slices so every rank holds whole

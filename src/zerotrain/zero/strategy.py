@@ -23,12 +23,15 @@ from torch import nn
 
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
-from zerotrain.shard.unit import MASTER_OWNER, OptimizerPiece, ShardedUnit
+from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.logging import get_logger
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
+
+log = get_logger(__name__)
 
 
 class DivergedRanksError(RuntimeError):
@@ -297,6 +300,13 @@ class ZeroStrategy:
         optimizer at stage 0) rather than this strategy's flat pieces.
         """
         unused = self._unused()
+        for unit in self.units:
+            if unit.adopt_outside_changes():
+                log.info(
+                    "parameters of %s were changed outside the optimizer; the fp32 master "
+                    "weights took the new values",
+                    unit.label,
+                )
         if optimizer is not None:
             if steps_model_params:
                 for unit in self.units:
@@ -317,6 +327,8 @@ class ZeroStrategy:
                 handles.append(handle)
         for handle in handles:
             handle.wait()
+        for unit in self.units:
+            unit.note_written()
 
     def skip_step(self) -> None:
         """Drop this window's gradients without updating anything (an overflow was found);
@@ -387,15 +399,14 @@ class ZeroStrategy:
         return {id(p) for unit in self.units for p in unit.buffer.params}
 
     def remove(self) -> None:
-        """Detach hooks and give parameters their own storage back (collective at stage 3,
-        where every unit is gathered one last time)."""
+        """Detach hooks and give parameters their own storage back, with the fp32 master
+        values under mixed precision (collective at stage 3, where every unit is gathered
+        one last time, and wherever master weights are partitioned)."""
         self.sync.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
-            for u in range(len(self.units)):
-                self.gatherer.fetch(u)
+            for u, unit in enumerate(self.units):
+                if unit.master is None:
+                    self.gatherer.fetch(u)
         for unit in self.units:
-            unit.buffer.release()
-            for param in unit.buffer.params:
-                if hasattr(param, MASTER_OWNER):
-                    delattr(param, MASTER_OWNER)
+            unit.release()
