@@ -644,3 +644,25 @@ def test_inputs_are_cast_unless_auto_cast_is_off():
     kept = run_distributed(_inputs, 2, False)[0]
     # The float target keeps its exact value; an fp32 input meets bf16 weights and fails.
     assert kept == {"seen": ["torch.float32", "torch.float32"], "fp32 input": "dtype"}
+
+
+def _already_bf16(stage: int) -> dict:
+    spec = RunSpec(
+        stage=stage,
+        steps=8,
+        extra_config={"bf16": {"enabled": True}, "zero_optimization": _zero(stage)},
+    )
+    model = make_model(spec).bfloat16()  # handed over in bf16 already
+    engine, optimizer, *_ = zerotrain.initialize(
+        model=model, config=zerotrain_config(spec, dist.get_world_size())
+    )
+    result = run_training(engine, spec, model)
+    masters = {str(p.dtype) for g in optimizer.param_groups for p in g["params"]}
+    return {"losses": result["losses"], "masters": masters}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_already_in_bf16_gets_fp32_masters_and_trains(stage):
+    for out in run_distributed(_already_bf16, 2, stage):
+        assert out["masters"] == {"torch.float32"}
+        assert out["losses"][-1] < out["losses"][0] - 0.5
