@@ -40,6 +40,25 @@ def _zero(stage: int) -> dict:
     return {"stage": stage, "reduce_bucket_size": 4000}
 
 
+def _linear_engine(
+    stage: int, width: int, lr: float, buffer: bool = False
+) -> tuple[nn.Linear, zerotrain.Engine]:
+    """A bias-free linear layer with every weight 1.0 (and an fp32 buffer of 1/3 if
+    ``buffer``), trained in bf16 by SGD at ``lr``."""
+    model = nn.Linear(width, width, bias=False)
+    nn.init.ones_(model.weight)
+    if buffer:
+        model.register_buffer("scale", torch.full((2,), 1 / 3))
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "zero_optimization": _zero(stage),
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    return model, engine
+
+
 def _bf16_run(spec: RunSpec) -> dict:
     result = train_zerotrain(spec)
     engine_dtypes = {p.dtype for p in result["params"].values()}
@@ -71,16 +90,8 @@ def test_bf16_follows_the_fp32_loss_curve_for_100_steps(stage):
 def _tiny_updates(stage: int) -> dict:
     """SGD steps of 5e-4 on weights at 1.0: each step is below half of bf16's spacing
     there (2**-9), so only an fp32 master can accumulate them."""
-    torch.manual_seed(0)
-    model = nn.Linear(8, 8, bias=False)
-    nn.init.ones_(model.weight)
-    config = {
-        "train_batch_size": dist.get_world_size(),
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "SGD", "params": {"lr": 5e-4}},
-        "zero_optimization": _zero(stage),
-    }
-    engine, optimizer, _, _ = zerotrain.initialize(model=model, config=config)
+    model, engine = _linear_engine(stage, 8, lr=5e-4)
+    optimizer = engine.optimizer
     x = torch.ones(1, 8)  # d(sum of outputs) / d(weight) = 1 for every element
 
     def step() -> None:
@@ -366,15 +377,7 @@ def test_contradictory_precision_settings_are_refused(config, path):
 
 
 def _modify_then_step(stage: int) -> list[float]:
-    model = nn.Linear(4, 4, bias=False)
-    nn.init.ones_(model.weight)
-    config = {
-        "train_batch_size": dist.get_world_size(),
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
-        "zero_optimization": _zero(stage),
-    }
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+    model, engine = _linear_engine(stage, 4, lr=0.0)
     with zerotrain.zero.GatheredParameters([model.weight], modifier_rank=0):
         if dist.get_rank() == 0:
             with torch.no_grad():
@@ -556,16 +559,7 @@ def test_frozen_parameters_get_no_master_copy(stage):
 
 
 def _destroy(stage: int) -> dict:
-    model = nn.Linear(8, 8, bias=False)
-    nn.init.constant_(model.weight, 1.0)
-    model.register_buffer("scale", torch.full((2,), 1 / 3))
-    config = {
-        "train_batch_size": dist.get_world_size(),
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "SGD", "params": {"lr": 5e-4}},
-        "zero_optimization": _zero(stage),
-    }
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+    model, engine = _linear_engine(stage, 8, lr=5e-4, buffer=True)
     for _ in range(3):
         engine.backward(engine(torch.ones(1, 8)).sum())
         engine.step()
@@ -587,15 +581,7 @@ def test_destroy_hands_back_the_fp32_master(stage):
 
 
 def _load_after_initialize(stage: int) -> list[float]:
-    model = nn.Linear(4, 4, bias=False)
-    nn.init.constant_(model.weight, 1.0)
-    config = {
-        "train_batch_size": dist.get_world_size(),
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
-        "zero_optimization": _zero(stage),
-    }
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+    model, engine = _linear_engine(stage, 4, lr=0.0)
     model.load_state_dict({"weight": torch.full((4, 4), 0.5)})  # same on every rank
     engine.backward(engine(torch.ones(1, 4)).sum())
     engine.step()
