@@ -311,8 +311,9 @@ class Engine(nn.Module):
         """Detach the engine from the model: hooks removed, parameters in their own storage
         again (the model can then be trained without zerotrain, or wrapped anew). Under
         mixed precision the model returns to the dtypes it had, with the fp32 master values
-        (frozen stage-3 parameters keep their compute-dtype values). Collective at stage 3
-        and wherever master weights are partitioned: call it on every rank."""
+        (frozen parameters, which have no master, come back as their compute-dtype values).
+        Collective at stage 3, and under mixed precision at stages 1-2 (the master slices
+        are gathered): call it on every rank."""
         self.strategy.remove()
         with torch.no_grad():
             for tensor, dtype in self._cast_back:

@@ -156,11 +156,6 @@ class ShardedUnit:
             if self.master is not None:
                 for param in params:
                     setattr(param, MASTER_OWNER, self)
-        # The parameters' version counters (stages 0-2): zerotrain writes through the
-        # buffer, which leaves them alone, so a different value at the next step means a
-        # parameter was changed outside the optimizer (``model.load_state_dict``) and the
-        # master must take the change.
-        self._seen_versions = self._param_versions()
         self.persistent = False  # stage 3: stays gathered (set by the gatherer)
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
@@ -314,36 +309,34 @@ class ShardedUnit:
         self.buffer.owned_slice(*self.master_range).copy_(self.master)
 
     def absorb(self) -> None:
-        """The parameters were changed outside the optimizer (``GatheredParameters`` with a
-        ``modifier_rank``, ``model.load_state_dict``): take this rank's range of them into
-        the master copy."""
-        if self.master is None:
-            return
-        if isinstance(self.buffer, FlatParamBuffer):
-            self.buffer.readopt()
-        self.master.copy_(self.buffer.owned_slice(*self.master_range))
-
-    def _param_versions(self) -> tuple[int, ...]:
-        if self.master is None or not isinstance(self.buffer, FlatParamBuffer):
-            return ()
-        return tuple(p._version for p in self.buffer.params)
-
-    def note_written(self) -> None:
-        """zerotrain finished writing the parameters (after the step's all-gather)."""
-        self._seen_versions = self._param_versions()
+        """The parameters may have been changed outside the optimizer
+        (``GatheredParameters`` with a ``modifier_rank``, ``model.load_state_dict``,
+        ``p.data.copy_``, a clamp after each step): take this rank's changed elements into
+        the master copy (unchanged ones keep their fp32 value)."""
+        self.adopt_outside_changes()
 
     def adopt_outside_changes(self) -> bool:
-        """Before an optimizer step (stages 0-2 under mixed precision): if the parameters
-        were written since ``note_written`` (or a ``.data`` replaced), take them into the
-        master; True if so."""
-        if self.master is None or not isinstance(self.buffer, FlatParamBuffer):
+        """Before an optimizer step: where this rank's range of the parameters no longer
+        holds what zerotrain last wrote (the master's rounding, or at stage 3 the permanent
+        slice of a unit that is gathered), take the new values; True if any element changed.
+
+        Compared element by element, which also sees writes through ``p.data`` (they leave
+        version counters alone). Stage-3 units that are not gathered have nothing visible
+        to change.
+        """
+        if isinstance(self.buffer, FlatParamBuffer):
+            if self.master is None:
+                return False  # the optimizer steps the parameters themselves
+            self.buffer.readopt()
+            visible = self.buffer.owned_slice(*self.master_range)
+            return _take_changes(self.master, visible)
+        if not self.buffer.gathered:
             return False
-        replaced = self.buffer.readopt()
-        if not replaced and self._param_versions() == self._seen_versions:
-            return False
-        self.absorb()
-        self.note_written()
-        return True
+        lo, hi = self.owned
+        changed = _take_changes(self.buffer.shard, self.buffer.full[lo:hi])
+        if self.master is not None:
+            changed |= _take_changes(self.master, self.buffer.owned_slice(*self.master_range))
+        return changed
 
     def release(self) -> None:
         """Give every parameter its own storage again, in the dtype it had before (a
@@ -352,6 +345,7 @@ class ShardedUnit:
         if self.master is None:
             self.buffer.release()
             return
+        self.adopt_outside_changes()  # what the user wrote since the last step counts
         lo, hi = self.owned
         mlo, mhi = self.master_range
         full = torch.zeros(
@@ -392,3 +386,22 @@ class ShardedUnit:
         self.grads.reset()
         self.received.clear()
         self.state = GradState.ACCUMULATING
+
+
+_COMPARE_CHUNK = 1 << 22  # elements compared at once: bounds the temporaries
+
+
+def _take_changes(stored: torch.Tensor, visible: torch.Tensor) -> bool:
+    """Copy into ``stored`` the elements of ``visible`` that differ from ``stored`` rounded
+    to ``visible``'s dtype; True if there were any."""
+    changed = False
+    with torch.no_grad():
+        for lo in range(0, stored.numel(), _COMPARE_CHUNK):
+            mine = stored[lo : lo + _COMPARE_CHUNK]
+            seen = visible[lo : lo + _COMPARE_CHUNK]
+            expected = mine if mine.dtype == seen.dtype else mine.to(seen.dtype)
+            differ = (seen != expected) & ~(seen.isnan() & expected.isnan())
+            if bool(differ.any()):
+                mine[differ] = seen[differ].to(mine.dtype)
+                changed = True
+    return changed

@@ -113,6 +113,7 @@ class ZeroStrategy:
         self._boundary = False
         self._used: tuple[torch.Tensor, Handle] | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
+        self._told_changed: set[int] = set()
         self._trainable_ids = torch.tensor(
             [
                 pid
@@ -301,10 +302,11 @@ class ZeroStrategy:
         """
         unused = self._unused()
         for unit in self.units:
-            if unit.adopt_outside_changes():
+            if unit.adopt_outside_changes() and unit.index not in self._told_changed:
+                self._told_changed.add(unit.index)
                 log.info(
-                    "parameters of %s were changed outside the optimizer; the fp32 master "
-                    "weights took the new values",
+                    "parameters of %s were changed outside the optimizer; the optimizer "
+                    "continues from the new values (said once per unit)",
                     unit.label,
                 )
         if optimizer is not None:
@@ -327,8 +329,6 @@ class ZeroStrategy:
                 handles.append(handle)
         for handle in handles:
             handle.wait()
-        for unit in self.units:
-            unit.note_written()
 
     def skip_step(self) -> None:
         """Drop this window's gradients without updating anything (an overflow was found);
