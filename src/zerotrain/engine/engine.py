@@ -323,6 +323,7 @@ class Engine(nn.Module):
     # -- logging --------------------------------------------------------------------------------
 
     def _report(self) -> None:
+        self.strategy.report_outside_changes()
         # Average the window's loss over ranks: one tiny collective every steps_per_print.
         losses = self._window_losses
         local = torch.stack(losses).float().mean().item() if losses else 0.0

@@ -315,10 +315,12 @@ class ShardedUnit:
         the master copy (unchanged ones keep their fp32 value)."""
         self.adopt_outside_changes()
 
-    def adopt_outside_changes(self) -> bool:
+    def adopt_outside_changes(self) -> torch.Tensor | None:
         """Before an optimizer step: where this rank's range of the parameters no longer
         holds what zerotrain last wrote (the master's rounding, or at stage 3 the permanent
-        slice of a unit that is gathered), take the new values; True if any element changed.
+        slice of a unit that is gathered), take the new values. Returns how many elements
+        changed (a 0-d tensor: reading it is left to the caller, as it syncs a GPU), or None
+        when there was nothing to compare.
 
         Compared element by element, which also sees writes through ``p.data`` (they leave
         version counters alone). Stage-3 units that are not gathered have nothing visible
@@ -326,16 +328,16 @@ class ShardedUnit:
         """
         if isinstance(self.buffer, FlatParamBuffer):
             if self.master is None:
-                return False  # the optimizer steps the parameters themselves
+                return None  # the optimizer steps the parameters themselves
             self.buffer.readopt()
             visible = self.buffer.owned_slice(*self.master_range)
             return _take_changes(self.master, visible)
         if not self.buffer.gathered:
-            return False
+            return None
         lo, hi = self.owned
         changed = _take_changes(self.buffer.shard, self.buffer.full[lo:hi])
         if self.master is not None:
-            changed |= _take_changes(self.master, self.buffer.owned_slice(*self.master_range))
+            changed += _take_changes(self.master, self.buffer.owned_slice(*self.master_range))
         return changed
 
     def release(self) -> None:
@@ -391,17 +393,27 @@ class ShardedUnit:
 _COMPARE_CHUNK = 1 << 22  # elements compared at once: bounds the temporaries
 
 
-def _take_changes(stored: torch.Tensor, visible: torch.Tensor) -> bool:
+def _take_changes(stored: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Copy into ``stored`` the elements of ``visible`` that differ from ``stored`` rounded
-    to ``visible``'s dtype; True if there were any."""
-    changed = False
+    to ``visible``'s dtype; returns their count (0-d tensor on ``stored``'s device).
+
+    On CPUs a chunk without changes is left unwritten (checking costs nothing there); on
+    GPUs every chunk is rewritten through ``torch.where`` so that nothing waits for the
+    device.
+    """
+    count = torch.zeros((), dtype=torch.int64, device=stored.device)
+    on_cpu = stored.device.type == "cpu"
     with torch.no_grad():
         for lo in range(0, stored.numel(), _COMPARE_CHUNK):
             mine = stored[lo : lo + _COMPARE_CHUNK]
             seen = visible[lo : lo + _COMPARE_CHUNK]
             expected = mine if mine.dtype == seen.dtype else mine.to(seen.dtype)
             differ = (seen != expected) & ~(seen.isnan() & expected.isnan())
-            if bool(differ.any()):
-                mine[differ] = seen[differ].to(mine.dtype)
-                changed = True
-    return changed
+            if on_cpu:
+                if bool(differ.any()):
+                    mine[differ] = seen[differ].to(mine.dtype)
+                    count += differ.sum()
+            else:
+                mine.copy_(torch.where(differ, seen.to(mine.dtype), mine))
+                count += differ.sum()
+    return count

@@ -113,6 +113,9 @@ class ZeroStrategy:
         self._boundary = False
         self._used: tuple[torch.Tensor, Handle] | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
+        # Elements changed outside the optimizer per unit, kept as device tensors until the
+        # engine reports (reading them syncs a GPU).
+        self._outside_changes: dict[int, torch.Tensor] = {}
         self._told_changed: set[int] = set()
         self._trainable_ids = torch.tensor(
             [
@@ -302,12 +305,10 @@ class ZeroStrategy:
         """
         unused = self._unused()
         for unit in self.units:
-            if unit.adopt_outside_changes() and unit.index not in self._told_changed:
-                self._told_changed.add(unit.index)
-                log.info(
-                    "parameters of %s were changed outside the optimizer; the optimizer "
-                    "continues from the new values (said once per unit)",
-                    unit.label,
+            changed = unit.adopt_outside_changes()
+            if changed is not None:
+                self._outside_changes[unit.index] = changed + self._outside_changes.get(
+                    unit.index, 0
                 )
         if optimizer is not None:
             if steps_model_params:
@@ -329,6 +330,20 @@ class ZeroStrategy:
                 handles.append(handle)
         for handle in handles:
             handle.wait()
+
+    def report_outside_changes(self) -> None:
+        """Log (once per unit) units whose parameters were changed outside the optimizer
+        since the last report; the optimizer continued from the new values."""
+        counts, self._outside_changes = self._outside_changes, {}
+        for u, count in counts.items():
+            if u not in self._told_changed and int(count) > 0:
+                self._told_changed.add(u)
+                log.info(
+                    "%d parameter elements of %s were changed outside the optimizer; the "
+                    "optimizer continued from the new values (said once per unit)",
+                    int(count),
+                    self.units[u].label,
+                )
 
     def skip_step(self) -> None:
         """Drop this window's gradients without updating anything (an overflow was found);
