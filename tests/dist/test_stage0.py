@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.training import (
+    PARITY_ADAM,
     RunSpec,
     assert_matches,
     make_model,
@@ -16,13 +17,10 @@ from tests.helpers.training import (
 )
 from zerotrain.testing.dist import run_distributed
 
-# Adam amplifies rounding noise in gradients near eps into lr-sized moves, so the summation
-# order alone (even plain PyTorch on the same batch split into chunks) moves parameters of
-# this tiny model by ~1.5e-5 at lr 3e-3 with eps 1e-6, and by ~3e-7 at lr 1e-3: the
-# settings below keep that noise floor 30x under the 1e-5 tolerance.
+# Adam and AdamW: see PARITY_ADAM.
 OPTIMIZERS = {
-    "Adam": {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6},
-    "AdamW": {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6},
+    "Adam": dict(PARITY_ADAM),
+    "AdamW": dict(PARITY_ADAM),
     "SGD": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
     "Lamb": {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-6},
 }

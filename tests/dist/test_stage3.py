@@ -18,6 +18,7 @@ from torch import nn
 
 import zerotrain
 from tests.helpers.training import (
+    PARITY_ADAM,
     TINY,
     RunSpec,
     assert_matches,
@@ -31,7 +32,6 @@ from tests.helpers.training import (
 from zerotrain.examples.gpt import GPT
 from zerotrain.testing.dist import DistributedTestError, run_distributed
 
-ADAM = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}  # see test_stage0.OPTIMIZERS
 # Every unit partitioned: the tiny GPT's blocks are far below DeepSpeed's default threshold.
 NO_PERSISTENCE = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4000}
 
@@ -39,7 +39,7 @@ NO_PERSISTENCE = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_b
 def _spec(**kw) -> RunSpec:
     extra = kw.pop("extra_config", {})
     zero = {**NO_PERSISTENCE, **extra.pop("zero_optimization", {})}
-    kw.setdefault("opt_params", ADAM)
+    kw.setdefault("opt_params", PARITY_ADAM)
     return RunSpec(
         two_groups=True,
         freeze="blocks.0.ln1.weight",

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import zerotrain
 from tests.helpers.training import (
+    PARITY_ADAM,
     RunSpec,
     assert_matches,
     global_batches,
@@ -22,13 +23,12 @@ from tests.helpers.training import (
 )
 from zerotrain.testing.dist import run_distributed
 
-ADAM = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}  # see test_stage0.OPTIMIZERS
 
 
 def _spec(stage: int, optimizer: str = "Adam", params: dict | None = None, **kw) -> RunSpec:
     return RunSpec(
         optimizer=optimizer,
-        opt_params=params or ADAM,
+        opt_params=params or PARITY_ADAM,
         two_groups=True,
         freeze="blocks.0.ln1.weight",
         stage=stage,

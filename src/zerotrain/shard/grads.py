@@ -105,10 +105,9 @@ class FullGradients:
 
         def finish() -> None:
             # Divided in the wider dtype before any narrowing copy: one rounding.
-            target = self.shard if result.data_ptr() == self.shard.data_ptr() else result
             if post != 1.0:
-                target.div_(post)
-            if target is not self.shard:
+                result.div_(post)
+            if result.data_ptr() != self.shard.data_ptr():
                 self.shard.copy_(result)
             on_done()
 

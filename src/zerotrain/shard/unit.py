@@ -37,11 +37,6 @@ from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
 from zerotrain.zero.policy import ZeroPolicy
 
-# Attribute on a parameter whose values an fp32 master copy in this unit shadows (stages 0-2;
-# stage-3 parameters are found through their gatherer): ``GatheredParameters`` with a
-# ``modifier_rank`` hands changed values back to it.
-MASTER_OWNER = "_zerotrain_master_owner"
-
 
 class GradState(enum.Enum):
     """Where a unit's gradient is in the step."""
@@ -113,12 +108,12 @@ class ShardedUnit:
         self.reduce_policy = reduce
         self.label = label or f"unit {index}"
         precision = precision or PrecisionPolicy()
-        model_dtypes = {p.dtype for p in params}
-        if precision.compute is None and len(model_dtypes) > 1:
+        self.model_dtypes = tuple(p.dtype for p in params)
+        if precision.compute is None and len(set(self.model_dtypes)) > 1:
             raise ValueError(
                 f"the parameters of '{self.label}' mix dtypes "
-                f"{sorted(map(str, model_dtypes))}; cast the model to one dtype (or enable "
-                "bf16/fp16, which casts it)"
+                f"{sorted(map(str, set(self.model_dtypes)))}; cast the model to one dtype (or "
+                "enable bf16/fp16, which casts it)"
             )
         compute, accum, comm_dtype = precision.resolve(params[0].dtype)
         self.owned = layout.shard_range(comm.rank) if sharded else (0, layout.padded_numel)
@@ -130,7 +125,6 @@ class ShardedUnit:
         # their rounding to the compute dtype. It covers what the optimizer steps: the
         # owned part of the grouped parameters, which come first in the layout (frozen and
         # ungrouped ones last, stage 3 partitions them too).
-        self.model_dtypes = tuple(p.dtype for p in params)
         lo, hi = self.owned
         stepped_end = next(
             (spec.start for spec, g in zip(layout.params, groups, strict=True) if g is None),
@@ -153,9 +147,6 @@ class ShardedUnit:
                     layout, self.master_range, value_of, torch.float32, device
                 )
             self.buffer = FlatParamBuffer(layout, params, compute)
-            if self.master is not None:
-                for param in params:
-                    setattr(param, MASTER_OWNER, self)
         self.persistent = False  # stage 3: stays gathered (set by the gatherer)
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
@@ -308,17 +299,12 @@ class ShardedUnit:
             return
         self.buffer.owned_slice(*self.master_range).copy_(self.master)
 
-    def absorb(self) -> None:
-        """The parameters may have been changed outside the optimizer
-        (``GatheredParameters`` with a ``modifier_rank``, ``model.load_state_dict``,
-        ``p.data.copy_``, a clamp after each step): take this rank's changed elements into
-        the master copy (unchanged ones keep their fp32 value)."""
-        self.adopt_outside_changes()
-
     def adopt_outside_changes(self) -> torch.Tensor | None:
         """Before an optimizer step: where this rank's range of the parameters no longer
         holds what zerotrain last wrote (the master's rounding, or at stage 3 the permanent
-        slice of a unit that is gathered), take the new values. Returns how many elements
+        slice of a unit that is gathered), take the new values (``load_state_dict``,
+        ``p.data`` writes, a clamp after each step, ``GatheredParameters`` with a
+        ``modifier_rank``); unchanged elements keep their fp32 value. Returns how many elements
         changed (a 0-d tensor: reading it is left to the caller, as it syncs a GPU), or None
         when there was nothing to compare.
 
@@ -363,8 +349,6 @@ class ShardedUnit:
             for i, param in enumerate(self.buffer.params):
                 param.data = self.buffer.view(full, i).to(self.model_dtypes[i], copy=True)
                 param.grad = None
-                if hasattr(param, MASTER_OWNER):
-                    delattr(param, MASTER_OWNER)
 
     def gather(self) -> Handle | None:
         """After an optimizer step: all-gather the updated slices so every rank holds whole

@@ -170,7 +170,7 @@ class ParamGatherer:
                     param.data = view
         self.comm.broadcast(full, src=src, purpose="parameters")
         storage.scatter_back()
-        self.units[u].absorb()
+        self.units[u].adopt_outside_changes()  # before the unit is released again
 
     def pin(self, u: int) -> None:
         """Gather unit ``u`` and keep it gathered until ``unpin`` (hooks do not free it)."""

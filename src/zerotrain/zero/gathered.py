@@ -7,9 +7,9 @@ leaving frees them again. With
 ``modifier_rank=r``, what rank r changed inside the block is broadcast and every rank keeps
 its slice of the new values. Parameters that are not partitioned (stages 0-2, or no engine
 at all) are left as they are, except that with ``modifier_rank`` rank r's values are
-broadcast, so the ranks stay identical. Under mixed precision the changed values also
-replace the fp32 master copy (changes made outside such a block are overwritten by the next
-optimizer step, which rounds the master into the parameters).
+broadcast, so the ranks stay identical. Under mixed precision the changed values reach the
+fp32 master copy: stage-3 units take them before they are released again, other
+parameters at the next step (``ShardedUnit.adopt_outside_changes``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import broadcast_without_engine
-from zerotrain.shard.unit import MASTER_OWNER
 
 if TYPE_CHECKING:
     from zerotrain.zero.gather import ParamGatherer
@@ -100,8 +99,3 @@ class GatheredParameters:
         if self._plain:
             with torch.no_grad():
                 broadcast_without_engine([p.data for p in self._plain], src=rank)
-            # Under mixed precision the optimizer's fp32 master copy must see the change,
-            # or the next step would write the old values back.
-            owners = {id(o): o for p in self._plain if (o := getattr(p, MASTER_OWNER, None))}
-            for owner in owners.values():
-                owner.absorb()
