@@ -155,6 +155,10 @@ class TrainingPolicy:
     # The loss is divided by this before backward; under mixed precision averaging over
     # micro-steps happens in the fp32 reduction instead (1/3 is not exact in bf16).
     loss_divisor: int = 1
+    # Checkpoints: how many to keep (None: all) and what to do when ranks pass different
+    # tags ("fail", "warn" or "ignore").
+    keep_last: int | None = None
+    tag_validation: str = "warn"
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +226,8 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         log_memory=cfg.memory_breakdown,
         drop_last=cfg.dataloader_drop_last,
         loss_divisor=1 if precision.master_weights else gas,
+        keep_last=cfg.checkpoint.keep_last,
+        tag_validation=cfg.checkpoint.tag_validation.lower(),
     )
     optimizer = scheduler = None
     if cfg.optimizer is not None:

@@ -233,6 +233,8 @@ class CheckpointConfig(Section):
     """``checkpoint``: checkpoint loading and writing options."""
 
     tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail"] = "Warn"
+    # zerotrain: keep only the newest N complete checkpoints in the save directory.
+    keep_last: PositiveInt | None = None
     load_universal: Bool = False
     use_node_local_storage: Bool = False
     parallel_write: dict[str, Any] = Field(default_factory=dict)

@@ -18,12 +18,14 @@ Like DeepSpeed's engine, it is an ``nn.Module`` wrapping the model as ``engine.m
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from zerotrain.checkpoint.load import LoadReport
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import DistEnv
 from zerotrain.comm.stats import CommSnapshot
@@ -34,6 +36,7 @@ from zerotrain.engine.accounting import (
     optimizer_state_bytes,
     tensor_bytes,
 )
+from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.optim.clip import global_grad_norm, unscale_and_clip_
 from zerotrain.precision.loss_scaler import LossScaler
@@ -95,6 +98,9 @@ class Engine(nn.Module):
         self._cast_back: list[tuple[torch.Tensor, torch.dtype]] = []
         if self.precision.compute is not None:
             self._cast_back = _cast_the_rest(module, strategy.managed(), self.precision.compute)
+        # The loader initialize built from training_data (its position is checkpointed).
+        self.training_dataloader: DistributedDataLoader | None = None
+        self.last_load_report: LoadReport | None = None
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -295,17 +301,71 @@ class Engine(nn.Module):
             staging=self.strategy.staging_bytes(),
         )
 
-    # -- not yet available ----------------------------------------------------------------------
+    # -- checkpoints ----------------------------------------------------------------------------
 
     def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: Any = None
-    ) -> None:
-        """Sharded checkpoints are not implemented in this version."""
-        raise NotImplementedError("zerotrain checkpoints are not implemented yet")
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: Any = None,
+        *,
+        keep_last: int | None = None,
+    ) -> str:
+        """Save a sharded checkpoint to ``save_dir/tag`` (collective: call on every rank).
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
-        """Sharded checkpoints are not implemented in this version."""
-        raise NotImplementedError("zerotrain checkpoints are not implemented yet")
+        Stores parameters, fp32 master weights, optimizer states, the lr schedule, the loss
+        scaler, step and sample counters, every rank's random states, the position of the
+        data loader ``initialize`` built, and ``client_state`` (tensors, numbers, strings and
+        containers of them). ``tag`` defaults to ``global_step{N}``; ``save_dir/latest`` names
+        the newest complete checkpoint and is rewritten only after every rank has finished,
+        so an interrupted save leaves the previous checkpoint loadable. ``keep_last`` (or
+        ``checkpoint.keep_last`` in the config) removes older checkpoints. Returns the path.
+        """
+        from zerotrain.checkpoint.save import save_checkpoint
+
+        if self.micro_steps % self.policy.batch.gradient_accumulation_steps:
+            log.warning(
+                "saving in the middle of an accumulation window (micro-step %d of %d): the "
+                "gradients accumulated so far are not part of the checkpoint",
+                self.micro_steps % self.policy.batch.gradient_accumulation_steps,
+                self.policy.batch.gradient_accumulation_steps,
+            )
+        return save_checkpoint(self, save_dir, tag, client_state, keep_last)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        *,
+        strict: bool = True,
+    ) -> tuple[str, Any]:
+        """Load a checkpoint saved with any number of ranks at any ZeRO stage and precision
+        (collective). ``tag`` None loads the one ``latest`` names. Returns ``(path,
+        client_state)``; with ``strict=False`` tensors missing on either side are reported
+        (``engine.last_load_report``) instead of raising. ``load_module_only`` takes only the
+        weights (and buffers); counters, optimizer, schedule and random states stay as they
+        are.
+
+        Raises ``CheckpointNotFoundError`` (no such checkpoint, or an interrupted save),
+        ``CorruptCheckpointError`` (a file fails its size or checksum check, naming it) or
+        ``IncompatibleCheckpointError`` (a different model or optimizer).
+        """
+        from zerotrain.checkpoint.load import load_checkpoint
+
+        path, client_state, report = load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            strict=strict,
+        )
+        self.last_load_report = report
+        return path, client_state
 
     def destroy(self) -> None:
         """Detach the engine from the model: hooks removed, parameters in their own storage

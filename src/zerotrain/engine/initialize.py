@@ -193,6 +193,7 @@ def initialize(
             pin_memory=env.device.type == "cuda",
         )
     engine = Engine(model, env, comm, policies.training, strategy, opt, scheduler, precision)
+    engine.training_dataloader = loader
     batch = policies.training.batch
     log.info(
         "initialized: ZeRO stage %d, %s, %d rank(s), %d parameters in %d unit(s), batch %d = "

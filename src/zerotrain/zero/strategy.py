@@ -304,12 +304,7 @@ class ZeroStrategy:
         optimizer at stage 0) rather than this strategy's flat pieces.
         """
         unused = self._unused()
-        for unit in self.units:
-            changed = unit.adopt_outside_changes()
-            if changed is not None:
-                self._outside_changes[unit.index] = changed + self._outside_changes.get(
-                    unit.index, 0
-                )
+        self.adopt_outside_changes()
         if optimizer is not None:
             if steps_model_params:
                 for unit in self.units:
@@ -330,6 +325,16 @@ class ZeroStrategy:
                 handles.append(handle)
         for handle in handles:
             handle.wait()
+
+    def adopt_outside_changes(self) -> None:
+        """Take parameter values changed outside the optimizer into what each unit steps
+        (before a step, and before a checkpoint is written)."""
+        for unit in self.units:
+            changed = unit.adopt_outside_changes()
+            if changed is not None:
+                self._outside_changes[unit.index] = changed + self._outside_changes.get(
+                    unit.index, 0
+                )
 
     def report_outside_changes(self) -> None:
         """Log (once per unit) units whose parameters were changed outside the optimizer

@@ -1,0 +1,123 @@
+"""Reading a checkpoint by (kind, name, element range), whatever world size wrote it.
+
+This is the one module that needs to know the on-disk format to read it; the engine loader
+and the consolidation tool both go through it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from zerotrain.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+from zerotrain.checkpoint.manifest import Fragment, Manifest, read_manifest, resolve, shard_file
+from zerotrain.checkpoint.safetensors_io import SafetensorsReader, file_crc32
+
+
+class CheckpointReader:
+    """Random access to the tensors of checkpoint directory ``path``."""
+
+    def __init__(self, path: Path, manifest: Manifest | None = None) -> None:
+        self.path = path
+        self.manifest = manifest or read_manifest(path)
+        index: dict[tuple[str, str], list[Fragment]] = defaultdict(list)
+        for fragment in self.manifest.fragments:
+            index[fragment.kind, fragment.name].append(fragment)
+        for fragments in index.values():
+            fragments.sort(key=lambda f: f.lo)
+        self._index = dict(index)
+        self._files: dict[str, SafetensorsReader] = {}
+
+    @classmethod
+    def open(cls, load_dir: str | Path, tag: str | None = None) -> CheckpointReader:
+        """The checkpoint ``tag`` under ``load_dir`` (default: the latest)."""
+        return cls(resolve(load_dir, tag))
+
+    def _file(self, name: str) -> SafetensorsReader:
+        if name not in self._files:
+            path = self.path / name
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"{path} is missing from the checkpoint")
+            self._files[name] = SafetensorsReader(path)
+        return self._files[name]
+
+    def verify(self, files: Iterable[str] | None = None) -> None:
+        """Check size and CRC-32 of ``files`` (default: all) against the manifest."""
+        for name in files if files is not None else self.manifest.files:
+            info = self.manifest.files[name]
+            path = self.path / name
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"{path} is missing from the checkpoint")
+            size = path.stat().st_size
+            if size != info.bytes:
+                raise CorruptCheckpointError(
+                    f"{path} is {size} bytes, the manifest says {info.bytes} (truncated or "
+                    "overwritten)"
+                )
+            crc = file_crc32(path)
+            if crc != info.crc32:
+                raise CorruptCheckpointError(
+                    f"{path} is corrupt: CRC-32 {crc:#010x}, the manifest says {info.crc32:#010x}"
+                )
+
+    def kinds(self) -> set[str]:
+        """Every kind of data stored (``param``, ``master``, ``optim.exp_avg``, ...)."""
+        return {kind for kind, _ in self._index}
+
+    def covers(self, kind: str, name: str, lo: int, hi: int) -> bool:
+        """Whether ``[lo, hi)`` of ``name`` is stored as ``kind`` in full."""
+        position = lo
+        for f in self._index.get((kind, name), []):
+            if f.lo <= position < f.hi:
+                position = f.hi
+        return position >= hi
+
+    def dtype(self, kind: str, name: str) -> torch.dtype | None:
+        """The dtype ``name`` is stored in as ``kind`` (None if it is not stored)."""
+        fragments = self._index.get((kind, name))
+        if not fragments:
+            return None
+        return self._file(fragments[0].file).entries[fragments[0].key].dtype
+
+    def read_into(
+        self, kind: str, name: str, lo: int, out: torch.Tensor, *, partial: bool = False
+    ) -> int:
+        """Fill ``out`` (1-D) with elements ``[lo, lo + out.numel())`` of ``name`` stored as
+        ``kind``; returns how many elements were found. Unless ``partial``, every element
+        must be stored."""
+        hi = lo + out.numel()
+        found = 0
+        for f in self._index.get((kind, name), []):
+            a, b = max(lo, f.lo), min(hi, f.hi)
+            if a < b:
+                self._file(f.file).read_into(f.key, f.offset + a - f.lo, out[a - lo : b - lo])
+                found += b - a
+        if not partial and found < hi - lo:
+            raise CorruptCheckpointError(
+                f"{self.path}: the manifest lists only {found} of elements [{lo}, {hi}) of "
+                f"{kind} '{name}'"
+            )
+        return found
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor ``name`` (fp32 master values where saved, else as stored)."""
+        info = self.manifest.tensors[name]
+        kind = info.kind
+        numel = math.prod(info.shape)
+        if kind == "param" and self.covers("master", name, 0, numel):
+            kind = "master"
+        stored = self.dtype(kind, name)
+        if stored is None:
+            raise CorruptCheckpointError(f"{self.path}: no data for '{name}'")
+        out = torch.empty(numel, dtype=dtype or stored)
+        self.read_into(kind, name, 0, out)
+        return out.view(info.shape)
+
+    def rank_tensor(self, rank: int, key: str) -> torch.Tensor | None:
+        """A tensor stored under ``key`` in rank ``rank``'s file (RNG states)."""
+        reader = self._file(shard_file(rank))
+        return reader.read(key) if key in reader.entries else None
