@@ -9,6 +9,7 @@ a share of them, and every rank raises if any file is bad.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from zerotrain.checkpoint.errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from zerotrain.checkpoint.manifest import CLIENT_STATE, Manifest, read_manifest, resolve
+from zerotrain.checkpoint.manifest import Manifest, read_manifest, resolve
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.save import agree
 from zerotrain.config.policies import DTYPE_BY_NAME
@@ -64,8 +65,8 @@ def _match_model(engine: Engine, manifest: Manifest, path: Path, strict: bool) -
     theirs = {n: tuple(t.shape) for n, t in manifest.tensors.items()}
     wrong = [
         f"{n}: checkpoint {list(theirs[n])}, model {list(ours[n])}"
-        for n in ours
-        if n in theirs and theirs[n] != ours[n]
+        for n in theirs  # in state-dict order
+        if n in ours and theirs[n] != ours[n]
     ]
     if wrong:
         raise IncompatibleCheckpointError(
@@ -99,41 +100,42 @@ def _match_model(engine: Engine, manifest: Manifest, path: Path, strict: bool) -
 
 def _load_params(engine: Engine, reader: CheckpointReader) -> None:
     names_by_id = regions.canonical_names(engine.module)
-    stored = reader.manifest.tensors
     for unit in engine.strategy.units:
         names = regions.unit_names(unit, names_by_id)
         a, b = regions.held_range(unit)
         b = min(b, unit.buffer.layout.numel)
         with torch.no_grad():
             for span in regions.spans(unit, names, a, b):
-                if span.name not in stored:
+                source = reader.stored_name(span.name)
+                if source is None:
                     continue
                 at = a + span.at
                 out = regions.param_values(unit, at, at + span.hi - span.lo)
                 # fp32 values come from the master copy where one was saved.
                 use_master = out.dtype == torch.float32 and reader.covers(
-                    "master", span.name, span.lo, span.hi
+                    "master", source, span.lo, span.hi
                 )
-                reader.read_into("master" if use_master else "param", span.name, span.lo, out)
+                reader.read_into("master" if use_master else "param", source, span.lo, out)
             if unit.master is not None:
                 mlo, mhi = unit.master_range
                 for span in regions.spans(unit, names, mlo, mhi):
-                    if span.name not in stored:
+                    source = reader.stored_name(span.name)
+                    if source is None:
                         continue
                     out = unit.master[span.at : span.at + span.hi - span.lo]
-                    kind = "master" if reader.covers("master", span.name, span.lo, span.hi) else "param"
-                    reader.read_into(kind, span.name, span.lo, out)
+                    saved = reader.covers("master", source, span.lo, span.hi)
+                    reader.read_into("master" if saved else "param", source, span.lo, out)
                 unit.publish()
     handles = [h for h in (unit.gather() for unit in engine.strategy.units) if h is not None]
     for handle in handles:
         handle.wait()
     with torch.no_grad():
         for name, param in regions.loose_parameters(engine):
-            if name in stored:
-                param.data.copy_(reader.tensor(name, param.dtype))
+            if (source := reader.stored_name(name)) is not None:
+                param.data.copy_(reader.tensor(source, param.dtype))
         for name, buffer in regions.persistent_buffers(engine.module):
-            if name in stored:
-                buffer.data.copy_(reader.tensor(name, buffer.dtype))
+            if (source := reader.stored_name(name)) is not None:
+                buffer.data.copy_(reader.tensor(source, buffer.dtype))
 
 
 def _slot_scalars(
@@ -183,7 +185,11 @@ def _load_optimizer(engine: Engine, reader: CheckpointReader) -> None:
     states = sorted(k.removeprefix("optim.") for k in reader.kinds() if k.startswith("optim."))
     for slot in regions.optimizer_slots(engine):
         names = regions.unit_names(slot.unit, names_by_id)
-        spans = regions.spans(slot.unit, names, slot.start, slot.end)
+        spans = [
+            dataclasses.replace(s, name=source)
+            for s in regions.spans(slot.unit, names, slot.start, slot.end)
+            if (source := reader.stored_name(s.name)) is not None
+        ]
         state: dict[str, Any] = {}
         for key in states:
             kind = f"optim.{key}"
@@ -196,11 +202,13 @@ def _load_optimizer(engine: Engine, reader: CheckpointReader) -> None:
                 reader.read_into(kind, s.name, s.lo, value[s.at : s.at + s.hi - s.lo], partial=True)
             state[key] = value.view(slot.tensor.shape)
         if state:
-            for key, (value, dtype) in _slot_scalars(reader.manifest, spans, str(path)).items():
+            for key, (number, dtype_name) in _slot_scalars(
+                reader.manifest, spans, str(path)
+            ).items():
                 state[key] = (
-                    torch.tensor(value, dtype=DTYPE_BY_NAME[dtype], device=slot.tensor.device)
-                    if dtype is not None
-                    else value
+                    torch.tensor(number, dtype=DTYPE_BY_NAME[dtype_name], device=slot.tensor.device)
+                    if dtype_name is not None
+                    else number
                 )
             optimizer.state[slot.tensor] = state
         else:
@@ -292,7 +300,9 @@ def load_checkpoint(
                 engine.loss_scaler.load_state_dict(manifest.loss_scaler)
             engine.global_steps = manifest.global_steps
             engine.global_samples = manifest.global_samples
-            engine.micro_steps = manifest.micro_steps
+            # The next micro-step starts a window (a partial window's gradients are not
+            # saved), also when the accumulation steps differ from the saving run's.
+            engine.micro_steps = manifest.global_steps * engine.gradient_accumulation_steps()
             engine.skipped_steps = manifest.skipped_steps
             _load_rng(engine, reader)
             if engine.training_dataloader is not None and manifest.data is not None:
@@ -312,4 +322,3 @@ def load_checkpoint(
             manifest.global_steps,
         )
     return str(reader.path), client_state, report
-

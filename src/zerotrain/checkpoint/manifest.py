@@ -193,6 +193,11 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
         if (root / MANIFEST).is_file():
             return root
         pointer = root / LATEST
+        if not pointer.is_file() and any(root.glob("rank*.safetensors")):
+            raise CheckpointNotFoundError(
+                f"{root} holds shard files but no {MANIFEST}: an incomplete checkpoint (its "
+                "save was interrupted)"
+            )
         if not pointer.is_file():
             found = sorted(p.parent.name for p in root.glob(f"*/{MANIFEST}"))
             raise CheckpointNotFoundError(

@@ -64,6 +64,13 @@ class CheckpointReader:
                     f"{path} is corrupt: CRC-32 {crc:#010x}, the manifest says {info.crc32:#010x}"
                 )
 
+    def stored_name(self, name: str) -> str | None:
+        """The name ``name``'s data is stored under: itself, or the parameter it was tied to
+        when saved (a model that unties them starts both from the saved values)."""
+        if name in self.manifest.tensors:
+            return name
+        return self.manifest.aliases.get(name)
+
     def kinds(self) -> set[str]:
         """Every kind of data stored (``param``, ``master``, ``optim.exp_avg``, ...)."""
         return {kind for kind, _ in self._index}

@@ -20,10 +20,10 @@ CUDA_KEY = "rng.cuda"
 def capture(device: torch.device) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """This process's generator states: ``(json_part, tensors)``."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
     }
     tensors = {TORCH_KEY: torch.get_rng_state()}
     if device.type == "cuda":
@@ -31,9 +31,7 @@ def capture(device: torch.device) -> tuple[dict[str, Any], dict[str, torch.Tenso
     return state, tensors
 
 
-def restore(
-    state: dict[str, Any], tensors: dict[str, torch.Tensor], device: torch.device
-) -> None:
+def restore(state: dict[str, Any], tensors: dict[str, torch.Tensor], device: torch.device) -> None:
     """Put back what :func:`capture` returned."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))

@@ -45,7 +45,7 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy().data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +152,9 @@ class SafetensorsReader:
                     raise ValueError(f"header length {length} exceeds the file")
                 header = json.loads(f.read(length))
         except (OSError, ValueError, struct.error) as exc:
-            raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+            raise CorruptCheckpointError(
+                f"{path}: not a readable safetensors file ({exc})"
+            ) from exc
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.entries: dict[str, _Entry] = {}
         for name, info in header.items():
@@ -161,7 +163,10 @@ class SafetensorsReader:
             if dtype is None:
                 raise CorruptCheckpointError(f"{path}: {name} has unknown dtype {info['dtype']}")
             entry = _Entry(dtype, tuple(info["shape"]), 8 + length + begin)
-            if end - begin != TensorSpec(name, dtype, entry.shape).nbytes or 8 + length + end > size:
+            if (
+                end - begin != TensorSpec(name, dtype, entry.shape).nbytes
+                or 8 + length + end > size
+            ):
                 raise CorruptCheckpointError(f"{path}: {name} runs past the end of the file")
             self.entries[name] = entry
 

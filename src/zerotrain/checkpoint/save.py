@@ -173,7 +173,7 @@ def _model_tables(engine: Engine) -> tuple[dict[str, Any], dict[str, str]]:
     """The manifest's ``tensors`` (state-dict order) and ``aliases`` tables."""
     model = engine.module
     original = {id(t): dtype for t, dtype in engine._cast_back}
-    shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+    shapes: dict[int, tuple[tuple[int, ...], torch.dtype | None]] = {}
     for unit in engine.strategy.units:
         for param, spec, dtype in zip(
             unit.buffer.params, unit.buffer.layout.params, unit.model_dtypes, strict=True
@@ -191,11 +191,11 @@ def _model_tables(engine: Engine) -> tuple[dict[str, Any], dict[str, str]]:
             aliases[key] = canonical
             continue
         first_name[id(value)] = key
-        shape, dtype = shapes.get(id(value), (tuple(value.shape), original.get(id(value))))
+        shape, own = shapes.get(id(value), (tuple(value.shape), original.get(id(value))))
         tensors[key] = {
             "kind": "param" if id(value) in params else "buffer",
             "shape": list(shape),
-            "dtype": short_dtype_name(dtype or value.dtype),
+            "dtype": short_dtype_name(own or value.dtype),
             "trainable": bool(value.requires_grad) if id(value) in params else False,
         }
     return tensors, aliases
@@ -217,9 +217,10 @@ def _check_same_tag(engine: Engine, tag: str) -> None:
     if comm.world_size == 1 or engine.policy.tag_validation == "ignore":
         return
     code = float(zlib.crc32(tag.encode()))
-    high, low = comm.all_reduce_floats([code], op="max")[0], -comm.all_reduce_floats(
-        [-code], op="max"
-    )[0]
+    high, low = (
+        comm.all_reduce_floats([code], op="max")[0],
+        -comm.all_reduce_floats([-code], op="max")[0],
+    )
     if high == low:
         return
     message = f"rank {comm.rank} saves checkpoint tag {tag!r}, but the ranks passed different tags"
@@ -398,4 +399,3 @@ def _finish(
         os.replace(partial, final)
     write_text_atomically(root / LATEST, tag)
     fsync_dir(root)
-

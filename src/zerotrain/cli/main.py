@@ -1,10 +1,12 @@
-"""The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT."""
+"""The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT,
+``consolidate`` turns a sharded checkpoint into one safetensors file."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from zerotrain.cli import consolidate as consolidate_cmd
 from zerotrain.cli import demo as demo_cmd
 from zerotrain.cli import run as run_cmd
 
@@ -19,6 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo_cmd.add_demo_arguments(
         sub.add_parser("demo", help="train a small byte-level GPT on 2 local ranks")
     )
+    consolidate_cmd.add_consolidate_arguments(
+        sub.add_parser(
+            "consolidate", help="write a sharded checkpoint's full state dict to one file"
+        )
+    )
     return parser
 
 
@@ -27,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "run":
         return run_cmd.run(args)
+    if args.command == "consolidate":
+        return consolidate_cmd.run_consolidate(args)
     return demo_cmd.demo(args)
 
 
