@@ -8,22 +8,18 @@ import sys
 from pathlib import Path
 
 
-def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zerotrain.cli.main",
-            "demo",
-            "--steps",
-            "30",
-            "--out-dir",
-            str(tmp_path),
-        ],
+def _demo(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "zerotrain.cli.main", "demo", "--steps", str(steps)]
+        + ["--out-dir", str(out), "--save-every", "20", *extra],
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
+    proc = _demo(tmp_path, 30)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "summary.txt").read_text()
     first, last = map(float, re.search(r"training loss: ([\d.]+) .* -> ([\d.]+)", summary).groups())
@@ -32,3 +28,17 @@ def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
     assert "peak memory per rank" in summary
     png = tmp_path / "loss_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "global_step20",
+        "global_step30",
+        "latest",
+    ]
+
+    resumed = _demo(tmp_path, 40, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 30" in resumed.stdout
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "steps 31-40" in summary
+    assert (checkpoints / "latest").read_text() == "global_step40"

@@ -126,6 +126,15 @@ def test_resume_continues_bitwise(tmp_path: Path, stage: int, precision: str | N
     assert (tmp_path / "latest").read_text() == "global_step10"
 
 
+def test_resume_fp16_continues_bitwise_with_its_loss_scale(tmp_path: Path) -> None:
+    spec = RunSpec(stage=2, model=DROPOUT, micro_batch=2, grad_accum=2)
+    uninterrupted = run_distributed(_train_save_train, 2, spec, "fp16", str(tmp_path))
+    resumed = run_distributed(_load_train, 2, spec, "fp16", str(tmp_path))
+    assert resumed[0]["losses"] == uninterrupted[0]
+    manifest = json.loads((tmp_path / "global_step10" / "manifest.json").read_text())
+    assert manifest["loss_scaler"]["scale"] > 0 and manifest["compute_dtype"] == "fp16"
+
+
 def _matches_checkpoint(engine, model, path: str) -> int:
     """Assert this rank's parameters and Adam moments equal the checkpoint's exactly;
     returns how many moment elements were compared."""

@@ -16,6 +16,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="compute dtype"
     )
     parser.add_argument("--out-dir", default="demo_out", help="where the plot and summary go")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from OUT_DIR/checkpoints/latest"
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=100, help="checkpoint every N steps (0: at the end)"
+    )
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -42,6 +48,9 @@ def demo(args: argparse.Namespace) -> int:
             args.precision,
             "--out-dir",
             args.out_dir,
+            "--save-every",
+            str(args.save_every),
+            *(["--resume"] if args.resume else []),
         ],
     )
     return run_cmd.run(launch)

@@ -33,15 +33,12 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def _order(self) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=generator).tolist()
-        remaining = self.size - self.start
+        rest = torch.randperm(self.size, generator=generator).tolist()[self.start :]
         if self.drop_last:
-            remaining -= remaining % self.world_size
-        else:  # pad by repeating from the start, so every rank gets as many samples
-            pad = -remaining % self.world_size
-            order += (order * (1 + pad // max(1, self.size)))[:pad]
-            remaining += pad
-        return order[self.start : self.start + remaining]
+            return rest[: len(rest) - len(rest) % self.world_size]
+        # Pad with the first unseen samples again, so every rank gets as many.
+        pad = -len(rest) % self.world_size
+        return rest + (rest * (1 + pad // max(1, len(rest))))[:pad]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._order()[self.rank :: self.world_size])

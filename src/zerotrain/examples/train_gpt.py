@@ -45,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="demo_out")
+    parser.add_argument(
+        "--save-every", type=int, default=100, help="checkpoint every N steps (0: only at the end)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from OUT_DIR/checkpoints/latest"
+    )
     return parser.parse_args(argv)
 
 
@@ -138,8 +144,23 @@ def main(argv: list[str] | None = None) -> None:
         raise RuntimeError("initialize returned no DataLoader although training_data was given")
     rank0 = engine.comm.rank == 0
     tokens_per_step = engine.train_batch_size() * args.block_size
-    bar = tqdm(total=args.steps, disable=not (rank0 and sys.stderr.isatty()), unit="step")
+    checkpoints = Path(args.out_dir) / "checkpoints"
     losses: list[float] = []
+    if args.resume:
+        if (checkpoints / "latest").is_file():
+            path, state = engine.load_checkpoint(checkpoints)
+            losses = list(state["losses"]) if state else []
+            if rank0:
+                print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+        elif rank0:
+            print(f"--resume: no checkpoint under {checkpoints}; starting fresh", flush=True)
+    first_step = engine.global_steps
+    bar = tqdm(
+        total=args.steps,
+        initial=first_step,
+        disable=not (rank0 and sys.stderr.isatty()),
+        unit="step",
+    )
     rss = [0.0] * engine.comm.world_size
     window_loss, start = 0.0, time.perf_counter()
     while engine.global_steps < args.steps:
@@ -154,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
             window_loss = 0.0
             if engine.global_steps % 10 == 0 or engine.global_steps == 1:
                 rss = _per_rank(engine, float(current_rss_bytes()))
-            tok_s = tokens_per_step * engine.global_steps / (time.perf_counter() - start)
+            done = engine.global_steps - first_step
+            tok_s = tokens_per_step * done / (time.perf_counter() - start)
             memory = " ".join(f"r{r}:{format_bytes(m)}" for r, m in enumerate(rss))
             bar.set_postfix_str(f"loss {losses[-1]:.3f} | {tok_s:,.0f} tok/s | {memory}")
             bar.update(1)
@@ -164,10 +186,14 @@ def main(argv: list[str] | None = None) -> None:
                     f"{tok_s:,.0f} tok/s mem {memory}",
                     flush=True,
                 )
+            if args.save_every and engine.global_steps % args.save_every == 0:
+                engine.save_checkpoint(checkpoints, client_state={"losses": losses}, keep_last=2)
             if engine.global_steps >= args.steps:
                 break
     bar.close()
     elapsed = time.perf_counter() - start
+    if not (checkpoints / f"global_step{engine.global_steps}").is_dir():
+        engine.save_checkpoint(checkpoints, client_state={"losses": losses}, keep_last=2)
     val = _validation_loss(engine, val_bytes, args.block_size)
     peaks = _per_rank(engine, float(peak_rss_bytes()))
     breakdown = engine.memory_breakdown()
@@ -184,8 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     last = sum(losses[-10:]) / min(10, len(losses))
     lines = [
         f"zerotrain demo: {params:,} parameters, ZeRO stage {args.stage}, "
-        f"{engine.comm.world_size} ranks, {args.steps} steps in {elapsed:.0f}s "
-        f"({tokens_per_step * args.steps / elapsed:,.0f} tokens/s)",
+        f"{engine.comm.world_size} ranks, steps {first_step + 1}-{args.steps} in "
+        f"{elapsed:.0f}s ({tokens_per_step * (args.steps - first_step) / elapsed:,.0f} tokens/s)",
+        f"checkpoint: {checkpoints / f'global_step{engine.global_steps}'} (resume with --resume; "
+        f"zerotrain consolidate {checkpoints} model.safetensors)",
         f"training loss: {first:.3f} (first 10 steps) -> {last:.3f} (last 10 steps); "
         f"uniform guessing is {math.log(256):.3f}",
         f"validation loss: {val:.3f} ({val / math.log(2):.2f} bits/byte)",
