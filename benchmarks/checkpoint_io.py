@@ -115,7 +115,9 @@ def _baseline_rss() -> float:
         "import resource, zerotrain.cli.main;"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
     )
-    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+    return float(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    )
 
 
 def main() -> None:
@@ -129,7 +131,9 @@ def main() -> None:
     width = int((args.gb * 1e9 / 12 / args.layers) ** 0.5)
     root = Path(args.dir or tempfile.mkdtemp(prefix="zt-ckpt-bench-"))
     try:
-        result = run_distributed(_worker, 2, width, args.layers, str(root), args.repeats, timeout=1800)
+        result = run_distributed(
+            _worker, 2, width, args.layers, str(root), args.repeats, timeout=1800
+        )
         r = result[0]
         t = r["times"]
         gb, plain_gb = r["ckpt_bytes"] / 1e9, r["plain_bytes"] / 1e9
