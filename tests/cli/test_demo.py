@@ -9,9 +9,9 @@ from pathlib import Path
 
 
 def _demo(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "zerotrain.cli.main", "demo", "--steps", str(steps)]
     return subprocess.run(
-        [sys.executable, "-m", "zerotrain.cli.main", "demo", "--steps", str(steps)]
-        + ["--out-dir", str(out), "--save-every", "20", *extra],
+        [*command, "--out-dir", str(out), "--save-every", "20", *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -38,7 +38,8 @@ def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
 
     resumed = _demo(tmp_path, 40, "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "at step 30" in resumed.stdout
+    assert "resumed from" in resumed.stdout
+    assert "at step 30" in resumed.stdout
     summary = (tmp_path / "summary.txt").read_text()
     assert "steps 31-40" in summary
     assert (checkpoints / "latest").read_text() == "global_step40"

@@ -39,11 +39,13 @@ def test_streamed_file_is_plain_safetensors_with_its_crc(tmp_path: Path) -> None
     for key, value in tensors.items():
         writer.write(key, value)
     size, crc = writer.close()
-    assert size == path.stat().st_size and crc == file_crc32(path)
+    assert size == path.stat().st_size
+    assert crc == file_crc32(path)
     loaded = safetensors.torch.load_file(path)
     assert loaded.keys() == tensors.keys()
     for key, value in tensors.items():
-        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value)
+        assert loaded[key].dtype == value.dtype
+        assert torch.equal(loaded[key], value)
     with safetensors.safe_open(path, "pt") as f:
         assert f.metadata() == {"k": "v"}
 
