@@ -23,7 +23,7 @@ from tests.helpers.training import (
     RunSpec,
     global_batches,
     make_model,
-    micro_batch,
+    train_steps,
     zerotrain_config,
 )
 from zerotrain.checkpoint import (
@@ -158,29 +158,13 @@ def _matches_checkpoint(engine, model, path: str) -> int:
     return compared
 
 
-def _train_global(engine, spec: RunSpec, first: int, last: int) -> list[float]:
-    """Train steps ``first..last-1`` of the fixed global batches (same samples per step for
-    any world size when micro_batch x grad_accum x world is the same)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = global_batches(spec, world)
-    losses = []
-    for step in range(first, last):
-        total = 0.0
-        for micro in range(spec.grad_accum):
-            x, y = micro_batch(batches, spec, step, micro, rank, world)
-            total += engine.backward(engine(x, y)).item()
-            engine.step()
-        losses.append(engine.comm.all_reduce_floats([total])[0] / (world * spec.grad_accum))
-    return losses
-
-
 def _reshard_source(spec: RunSpec, path: str) -> dict[str, Any]:
     model = make_model(spec)
     engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, 4))
-    _train_global(engine, spec, 0, 5)
+    train_steps(engine, spec, 0, 5)
     engine.save_checkpoint(path)
     compared = _matches_checkpoint(engine, model, str(Path(path) / "global_step5"))
-    return {"losses": _train_global(engine, spec, 5, 10), "compared": compared}
+    return {"losses": train_steps(engine, spec, 5, 10), "compared": compared}
 
 
 def _reshard_target(spec: RunSpec, path: str) -> dict[str, Any]:
@@ -191,7 +175,7 @@ def _reshard_target(spec: RunSpec, path: str) -> dict[str, Any]:
     )
     engine.load_checkpoint(path)
     compared = _matches_checkpoint(engine, model, str(Path(path) / "global_step5"))
-    return {"losses": _train_global(engine, spec, 5, 10), "compared": compared}
+    return {"losses": train_steps(engine, spec, 5, 10), "compared": compared}
 
 
 def test_save_on_4_ranks_stage3_loads_on_2_ranks_stage1_and_1_rank_stage0(tmp_path: Path) -> None:

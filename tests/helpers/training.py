@@ -89,19 +89,27 @@ def zerotrain_config(spec: RunSpec, world_size: int) -> dict[str, Any]:
     }
 
 
-def run_training(engine: zerotrain.Engine, spec: RunSpec, model: torch.nn.Module) -> dict:
-    """Runs on every rank: train ``spec.steps`` steps on this rank's share of the global
-    batches; returns per-step global losses, the final parameters and the learning rates."""
+def train_steps(engine: zerotrain.Engine, spec: RunSpec, first: int, last: int) -> list[float]:
+    """Runs on every rank: train steps ``first..last-1`` on this rank's share of the global
+    batches (the same samples per step for any world size with the same global batch);
+    returns each step's global mean loss."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = global_batches(spec, world)
     losses = []
-    for step in range(spec.steps):
+    for step in range(first, last):
         total = 0.0
         for micro in range(spec.grad_accum):
             x, y = micro_batch(batches, spec, step, micro, rank, world)
             total += engine.backward(engine(x, y)).item()
             engine.step()
         losses.append(engine.comm.all_reduce_floats([total])[0] / (world * spec.grad_accum))
+    return losses
+
+
+def run_training(engine: zerotrain.Engine, spec: RunSpec, model: torch.nn.Module) -> dict:
+    """Runs on every rank: train ``spec.steps`` steps on this rank's share of the global
+    batches; returns per-step global losses, the final parameters and the learning rates."""
+    losses = train_steps(engine, spec, 0, spec.steps)
     with zerotrain.zero.GatheredParameters(model.parameters()):  # whole at stage 3
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"losses": losses, "params": params, "lr": engine.get_lr()}

@@ -48,8 +48,9 @@ class LoadReport:
 
 def _model_shapes(engine: Engine) -> dict[str, tuple[int, ...]]:
     shapes = {}
+    names_by_id = regions.canonical_names(engine.module)
     for unit in engine.strategy.units:
-        names = regions.unit_names(unit, regions.canonical_names(engine.module))
+        names = regions.unit_names(unit, names_by_id)
         for name, spec in zip(names, unit.buffer.layout.params, strict=True):
             shapes[name] = spec.shape
     for name, param in regions.loose_parameters(engine):
@@ -102,7 +103,8 @@ def _load_params(engine: Engine, reader: CheckpointReader) -> None:
     names_by_id = regions.canonical_names(engine.module)
     for unit in engine.strategy.units:
         names = regions.unit_names(unit, names_by_id)
-        a, b = regions.held_range(unit)
+        # What this rank keeps authoritatively: its shard, or everything when unsharded.
+        a, b = unit.owned
         b = min(b, unit.buffer.layout.numel)
         with torch.no_grad():
             for span in regions.spans(unit, names, a, b):

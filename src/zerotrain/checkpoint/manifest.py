@@ -128,25 +128,20 @@ class Manifest(_Model):
     client_state: str | None
 
 
-def write_json_atomically(path: Path, value: Any) -> None:
-    """Write ``value`` as JSON to ``path`` through a temporary file and a rename, so a
-    reader sees either the old file or the complete new one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_text_atomically(path: Path, text: str) -> None:
-    """As :func:`write_json_atomically`, for a short text file (``latest``)."""
+    """Write ``text`` to ``path`` through a temporary file and a rename, so a reader sees
+    either the old file or the complete new one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomically(path: Path, value: Any) -> None:
+    """:func:`write_text_atomically` of ``value`` as JSON."""
+    write_text_atomically(path, json.dumps(value, indent=1))
 
 
 def fsync_dir(path: Path) -> None:

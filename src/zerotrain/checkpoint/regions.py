@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.unit import ShardedUnit
 
 if TYPE_CHECKING:
@@ -67,12 +66,6 @@ def spans(unit: ShardedUnit, names: list[str], a: int, b: int) -> list[Span]:
     return found
 
 
-def held_range(unit: ShardedUnit) -> tuple[int, int]:
-    """The part of the unit's buffer whose parameters, master and optimizer states this
-    rank keeps authoritatively: its shard when states are partitioned, else everything."""
-    return unit.owned
-
-
 def write_range(unit: ShardedUnit, rank: int, world_size: int) -> tuple[int, int]:
     """The part of the unit this rank writes. Sharded units: the shard; units every rank
     holds whole are split evenly, so that each rank writes 1/N of them."""
@@ -122,8 +115,3 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for name, value in model.state_dict(keep_vars=True).items()
         if id(value) not in params and isinstance(value, torch.Tensor)
     ]
-
-
-def is_flat_buffer(unit: ShardedUnit) -> bool:
-    """Whether the unit holds whole parameters (stages 0-2)."""
-    return isinstance(unit.buffer, FlatParamBuffer)

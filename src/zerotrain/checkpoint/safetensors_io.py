@@ -59,7 +59,7 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor's data."""
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class StreamingWriter:
@@ -181,7 +181,7 @@ class SafetensorsReader:
             raise CorruptCheckpointError(
                 f"{self.path}: {name} has {numel} elements, asked for [{lo}, {lo + out.numel()})"
             )
-        size = torch.empty((), dtype=entry.dtype).element_size()
+        size = entry.dtype.itemsize
         direct = out.dtype == entry.dtype and out.device.type == "cpu" and out.is_contiguous()
         step = out.numel() if direct else max(1, _CHUNK_BYTES // size)
         with open(self.path, "rb", buffering=0) as f:

@@ -217,11 +217,8 @@ def _check_same_tag(engine: Engine, tag: str) -> None:
     if comm.world_size == 1 or engine.policy.tag_validation == "ignore":
         return
     code = float(zlib.crc32(tag.encode()))
-    high, low = (
-        comm.all_reduce_floats([code], op="max")[0],
-        -comm.all_reduce_floats([-code], op="max")[0],
-    )
-    if high == low:
+    high, negated_low = comm.all_reduce_floats([code, -code], op="max")
+    if high == -negated_low:
         return
     message = f"rank {comm.rank} saves checkpoint tag {tag!r}, but the ranks passed different tags"
     if engine.policy.tag_validation == "fail":
@@ -298,9 +295,9 @@ def save_checkpoint(
         if comm.rank == 0:
             for name, param in regions.loose_parameters(engine):
                 plan.add_whole(f"loose.{name}", param.detach(), "param", name)
-            tables, _ = _model_tables(engine)
+            tables = _model_tables(engine)
             for name, buffer in regions.persistent_buffers(engine.module):
-                if name in tables:
+                if name in tables[0]:
                     plan.add_whole(f"buffer.{name}", buffer.detach(), "buffer", name)
         size, crc = _write_shard(partial / plan.file, plan)
         index = {
@@ -318,7 +315,7 @@ def save_checkpoint(
 
     if comm.rank == 0:
         try:
-            _finish(engine, root, partial, final, tag, client_state is not None)
+            _finish(engine, root, partial, final, tag, tables, client_state is not None)
             if keep_last is not None:
                 _prune(root, keep_last, tag)
         except Exception as exc:
@@ -336,7 +333,13 @@ def save_checkpoint(
 
 
 def _finish(
-    engine: Engine, root: Path, partial: Path, final: Path, tag: str, has_client_state: bool
+    engine: Engine,
+    root: Path,
+    partial: Path,
+    final: Path,
+    tag: str,
+    tables: tuple[dict[str, Any], dict[str, str]],
+    has_client_state: bool,
 ) -> None:
     """Rank 0: merge the rank indexes into the manifest, rename into place, point ``latest``."""
     files, fragments, scalars, rng_states = {}, [], [], []
@@ -348,7 +351,7 @@ def _finish(
         scalars += index["scalars"]
         rng_states.append(index["rng"])
         index_path.unlink()
-    tensors, aliases = _model_tables(engine)
+    tensors, aliases = tables
     optimizer = engine.optimizer
     manifest = {
         "format": FORMAT,

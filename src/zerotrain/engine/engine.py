@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotrain.checkpoint.load import LoadReport
+from zerotrain.checkpoint.load import LoadReport, load_checkpoint
+from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import DistEnv
 from zerotrain.comm.stats import CommSnapshot
@@ -321,8 +322,6 @@ class Engine(nn.Module):
         so an interrupted save leaves the previous checkpoint loadable. ``keep_last`` (or
         ``checkpoint.keep_last`` in the config) removes older checkpoints. Returns the path.
         """
-        from zerotrain.checkpoint.save import save_checkpoint
-
         if self.micro_steps % self.policy.batch.gradient_accumulation_steps:
             log.warning(
                 "saving in the middle of an accumulation window (micro-step %d of %d): the "
@@ -353,8 +352,6 @@ class Engine(nn.Module):
         ``CorruptCheckpointError`` (a file fails its size or checksum check, naming it) or
         ``IncompatibleCheckpointError`` (a different model or optimizer).
         """
-        from zerotrain.checkpoint.load import load_checkpoint
-
         path, client_state, report = load_checkpoint(
             self,
             load_dir,
