@@ -6,9 +6,10 @@ The public surface::
     loss = engine(batch); engine.backward(loss); engine.step()
 
 Stage 3 extras: ``zerotrain.zero.Init`` and ``zerotrain.zero.GatheredParameters``.
+Activation checkpointing: ``zerotrain.checkpointing.checkpoint`` / ``.apply``.
 """
 
-from zerotrain import zero
+from zerotrain import checkpointing, zero
 from zerotrain.comm.env import init_distributed
 from zerotrain.config.errors import ConfigError
 from zerotrain.config.loader import load_config
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigError",
     "Engine",
     "__version__",
+    "checkpointing",
     "init_distributed",
     "initialize",
     "load_config",

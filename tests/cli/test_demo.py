@@ -36,10 +36,12 @@ def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
         "latest",
     ]
 
-    resumed = _demo(tmp_path, 40, "--resume")
+    # Resuming with activation checkpointing on: the same model and checkpoint either way.
+    resumed = _demo(tmp_path, 40, "--resume", "--checkpoint-activations")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert "at step 30" in resumed.stdout
+    assert "activation checkpointing: 4 block(s)" in resumed.stdout + resumed.stderr
     summary = (tmp_path / "summary.txt").read_text()
     assert "steps 31-40" in summary
     assert (checkpoints / "latest").read_text() == "global_step40"

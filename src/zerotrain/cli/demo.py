@@ -22,6 +22,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--save-every", type=int, default=100, help="checkpoint every N steps (0: at the end)"
     )
+    parser.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="recompute each block in backward instead of storing its activations",
+    )
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -51,6 +56,7 @@ def demo(args: argparse.Namespace) -> int:
             "--save-every",
             str(args.save_every),
             *(["--resume"] if args.resume else []),
+            *(["--checkpoint-activations"] if args.checkpoint_activations else []),
         ],
     )
     return run_cmd.run(launch)

@@ -4,7 +4,9 @@
 
 * batch sizes: derived from the other batch keys and the world size;
 * ``scheduler.params.warmup_max_lr``: the optimizer's learning rate;
-* any other key that has a default: the default (logged, so the choice is visible).
+* any other key that has a default: the default (logged, so the choice is visible);
+* except keys where ``"auto"`` is a value of its own (``activation_checkpointing.block_types``:
+  the repeated blocks), left as they are.
 
 Where nothing can be inferred (the learning rate, step counts, the clipping threshold) the
 loader says that the value must be filled in, instead of training with a guess.
@@ -36,6 +38,7 @@ _MUST_FILL: Mapping[tuple[str, ...], str] = MappingProxyType(
     }
 )
 _MAX_LR = ("scheduler", "params", "warmup_max_lr")
+_AUTO_IS_A_VALUE = {("activation_checkpointing", "block_types")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,8 @@ def resolve_auto(raw: dict[str, Any]) -> tuple[list[AutoResolution], list[Config
     resolutions: list[AutoResolution] = []
     problems: list[ConfigProblem] = []
     for path in _walk(raw, ()):
+        if path in _AUTO_IS_A_VALUE:
+            continue
         dotted = ".".join(path)
         if path in _MUST_FILL:
             _pop(raw, path)  # reported here; later stages must not report it again

@@ -162,6 +162,29 @@ class TrainingPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class ActivationCheckpointingPolicy:
+    """How ``zerotrain.checkpointing.checkpoint`` keeps and recomputes activations.
+
+    ``cpu_checkpointing``: the saved inputs of each checkpoint live in host memory (pinned,
+    copied asynchronously) while the device is an accelerator. ``contiguous_memory``: they
+    are copied into one preallocated buffer reused every step (``number_checkpoints`` sizes
+    it; it grows to what a step needs otherwise). ``synchronize``: the device is
+    synchronized at each checkpoint boundary. ``profile``: forward and recomputation times
+    and the bytes kept are counted. ``partition_activations`` splits the saved inputs over
+    the tensor-parallel group, a no-op without tensor parallelism. ``block_types``: class
+    names, or "auto", of the blocks ``initialize`` checkpoints (None: only explicit calls).
+    """
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory: bool = False
+    number_checkpoints: int | None = None
+    synchronize: bool = False
+    profile: bool = False
+    block_types: tuple[str, ...] | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Policies:
     """Everything ``initialize`` needs from the config."""
 
@@ -171,6 +194,7 @@ class Policies:
     precision: PrecisionPolicy
     optimizer: OptimizerSpec | None
     scheduler: SchedulerSpec | None
+    activation_checkpointing: ActivationCheckpointingPolicy | None = None
 
 
 def _spec(kind: str, type_name: str, params: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
@@ -234,7 +258,33 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         optimizer = OptimizerSpec(*_spec("optimizer", cfg.optimizer.type, cfg.optimizer.params))
     if cfg.scheduler is not None:
         scheduler = SchedulerSpec(*_spec("scheduler", cfg.scheduler.type, cfg.scheduler.params))
-    return Policies(training, grad_reduce, stage3, precision, optimizer, scheduler)
+    return Policies(
+        training,
+        grad_reduce,
+        stage3,
+        precision,
+        optimizer,
+        scheduler,
+        activation_checkpointing_policy(cfg),
+    )
+
+
+def activation_checkpointing_policy(cfg: ZeroTrainConfig) -> ActivationCheckpointingPolicy | None:
+    """The ``activation_checkpointing`` section, or None when the config does not set it
+    (``initialize`` then leaves whatever ``zerotrain.checkpointing.configure`` set)."""
+    ac = cfg.activation_checkpointing
+    if not ac.model_fields_set:
+        return None
+    blocks = ac.block_types
+    return ActivationCheckpointingPolicy(
+        partition_activations=ac.partition_activations,
+        cpu_checkpointing=ac.cpu_checkpointing,
+        contiguous_memory=ac.contiguous_memory_optimization,
+        number_checkpoints=ac.number_checkpoints,
+        synchronize=ac.synchronize_checkpoint_boundary,
+        profile=ac.profile,
+        block_types=tuple(blocks) if isinstance(blocks, list) else blocks,
+    )
 
 
 def resolve_precision(cfg: ZeroTrainConfig) -> PrecisionPolicy:

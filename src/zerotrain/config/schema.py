@@ -162,7 +162,8 @@ class ZeroConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
-    """``activation_checkpointing``: options for ``zerotrain.checkpointing.checkpoint``."""
+    """``activation_checkpointing``: options for ``zerotrain.checkpointing.checkpoint``
+    (see docs/activation_checkpointing.md)."""
 
     partition_activations: Bool = False
     cpu_checkpointing: Bool = False
@@ -170,6 +171,9 @@ class ActivationCheckpointingConfig(Section):
     number_checkpoints: PositiveInt | None = None
     synchronize_checkpoint_boundary: Bool = False
     profile: Bool = False
+    # zerotrain: checkpoint every block of the model at initialize: class names, or "auto"
+    # for the repeated blocks (the layers of a transformer). Unset: only explicit calls.
+    block_types: list[str] | Literal["auto"] | None = None
 
 
 class FlopsProfilerConfig(Section):

@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fp32",
         help="bf16/fp16: mixed precision with fp32 master weights (fp16 with loss scaling)",
     )
+    parser.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="recompute each block in backward instead of storing its activations",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="demo_out")
     parser.add_argument(
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         # The progress bar reports every step; the engine's own log only at the end.
         "steps_per_print": args.steps,
     }
+    if args.checkpoint_activations:
+        config["activation_checkpointing"] = {"block_types": "auto"}
     engine, _, loader, _ = zerotrain.initialize(
         model=model, model_parameters=param_groups(model, 0.1), training_data=dataset, config=config
     )

@@ -43,3 +43,43 @@ def release_free_memory() -> None:
     """
     with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+class PeakRSSMeter:
+    """Peak resident memory over a block of code, above the resident memory at its start.
+
+    Resets the kernel's high-water mark on entry (``/proc/self/clear_refs``, Linux >= 4.0)
+    and reads it on exit, so every page touched counts, however briefly. Freed memory
+    only leaves the resident set if the C allocator returns it: start the process with
+    ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc) so that tensors are mapped and unmapped
+    individually instead of being kept in the heap.
+
+    Raises:
+        OSError: on entry, where the high-water mark cannot be reset.
+    """
+
+    def __init__(self) -> None:
+        self.start_bytes = 0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> PeakRSSMeter:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.start_bytes = _status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak_bytes = _status_kib("VmHWM") * 1024
+
+    @property
+    def increase_bytes(self) -> int:
+        """Peak minus start."""
+        return self.peak_bytes - self.start_bytes

@@ -230,10 +230,14 @@ class ParamGatherer:
         self, u: int, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.fetch(u)
+        if torch._C._current_autograd_node() is not None:
+            # A forward recomputed inside backward (activation checkpointing): backward
+            # prefetches the units before this one; the ones after it are done already.
+            return None
         if u not in self._current:
             self._current.append(u)
         self._prefetch(self._after_in_trace(u, +1))
-        if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+        if not torch.is_grad_enabled():
             return None
         return self._signal_after_backward(u, args, kwargs)
 

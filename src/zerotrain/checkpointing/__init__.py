@@ -1,0 +1,33 @@
+"""Activation checkpointing: trade recomputation in backward for activation memory.
+
+- ``checkpoint(fn, *args, **kwargs)``: one region, called from model code.
+- ``apply(model, block_types="auto")``: every block of a model, without editing it.
+- ``configure(...)``: where kept inputs live, timing (the config's ``activation_checkpointing``
+  section does this at ``initialize``); ``stats()`` reports what the regions did.
+
+See docs/activation_checkpointing.md.
+"""
+
+from zerotrain.checkpointing.function import checkpoint
+from zerotrain.checkpointing.state import (
+    CheckpointStats,
+    configure,
+    current,
+    reset,
+    reset_stats,
+    stats,
+)
+from zerotrain.checkpointing.wrap import apply, is_checkpointed, remove
+
+__all__ = [
+    "CheckpointStats",
+    "apply",
+    "checkpoint",
+    "configure",
+    "current",
+    "is_checkpointed",
+    "remove",
+    "reset",
+    "reset_stats",
+    "stats",
+]

@@ -1,0 +1,139 @@
+"""``checkpoint(fn, *args, **kwargs)``: keep a region's inputs, recompute the rest in backward.
+
+Built on PyTorch's non-reentrant ``torch.utils.checkpoint`` (which replays the CPU and device
+RNG states, so dropout draws the same masks, restores autocast, accepts non-tensor and
+``requires_grad=False`` inputs and gives gradients to parameters even when no input needs
+one). What this layer adds is the config: where the kept inputs live (``saved_inputs.py``),
+synchronization at the region's boundaries, timing, and counting.
+
+Under ZeRO stage 3 the region's modules are called again during recomputation, so their
+forward hooks gather their units again; ``zero/gather.py`` keeps a unit gathered when its
+forward runs inside backward, because that unit's backward follows at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.utils.checkpoint
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from zerotrain.checkpointing.saved_inputs import InputKeeper
+from zerotrain.checkpointing.state import STATE
+
+T = TypeVar("T")
+
+_keeper: tuple[int, InputKeeper] | None = None  # (settings generation, keeper)
+_depth = 0  # checkpointed regions whose forward is running now
+
+
+def _current_keeper() -> InputKeeper:
+    global _keeper
+    if _keeper is None or _keeper[0] != STATE.generation:
+        policy = STATE.policy
+        keeper = InputKeeper(
+            policy.cpu_checkpointing,
+            policy.contiguous_memory,
+            policy.number_checkpoints,
+            STATE.stats,
+        )
+        _keeper = (STATE.generation, keeper)
+    _keeper[1].stats = STATE.stats  # reset_stats() replaces the counters
+    return _keeper[1]
+
+
+def _device_of(values: list[Any]) -> torch.device | None:
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+
+
+def _synchronize(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Rebuild:
+    """Calls ``fn`` with the original arguments from their flattened form, so every tensor
+    nested in args and kwargs is a checkpoint input (kept, moved, and its device's RNG
+    state recorded) and no keyword can collide with ``torch.utils.checkpoint``'s own."""
+
+    def __init__(self, fn: Callable[..., Any], spec: TreeSpec) -> None:
+        self.fn = fn
+        self.spec = spec
+
+    def __call__(self, *flat: Any) -> Any:
+        args, kwargs = tree_unflatten(list(flat), self.spec)
+        return self.fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _recomputation(device: torch.device | None, timed: bool, sync: bool) -> Iterator[None]:
+    """Runs around each recomputation (which may end early by an exception of PyTorch's:
+    once it has what backward needs it stops)."""
+    if sync or timed:
+        _synchronize(device)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if sync or timed:
+            _synchronize(device)
+        STATE.stats.recomputes += 1
+        if timed:
+            STATE.stats.recompute_seconds += time.perf_counter() - start
+
+
+def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` keeping only its inputs for backward; the activations
+    inside are recomputed when backward reaches them.
+
+    The CPU and device RNG states are recorded and replayed, so dropout inside ``fn``
+    recomputes the same values and the gradients equal those without checkpointing.
+    Arguments may be anything (tensors that need no gradient, None, numbers, nested
+    structures); every tensor among them is kept. ``fn`` must be deterministic given its
+    inputs and RNG state, and must not change its inputs in place. Without gradients
+    (``torch.no_grad``, evaluation) ``fn`` simply runs.
+
+    How the inputs are kept follows ``zerotrain.checkpointing.configure`` (set by
+    ``initialize`` from the config's ``activation_checkpointing`` section).
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    flat, spec = tree_flatten((args, kwargs))
+    run = _Rebuild(fn, spec)
+    global _depth
+    if _depth or torch._C._current_autograd_node() is not None:
+        # Nested in a checkpointed region (its forward, or its recomputation in backward):
+        # PyTorch's plain nesting, the same both times, which the outer region's count of
+        # saved tensors relies on.
+        return torch.utils.checkpoint.checkpoint(run, *flat, use_reentrant=False)
+    policy = STATE.policy
+    device = _device_of(flat)
+    timed, sync = policy.profile, policy.synchronize
+
+    def contexts() -> tuple[
+        contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
+    ]:
+        return contextlib.nullcontext(), _recomputation(device, timed, sync)
+
+    keeper = _current_keeper()
+    if sync or timed:
+        _synchronize(device)
+    start = time.perf_counter()
+    _depth += 1
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keeper.pack, keeper.unpack):
+            out = torch.utils.checkpoint.checkpoint(
+                run, *flat, use_reentrant=False, context_fn=contexts
+            )
+    finally:
+        _depth -= 1
+    if sync or timed:
+        _synchronize(device)
+    STATE.stats.calls += 1
+    if timed:
+        STATE.stats.forward_seconds += time.perf_counter() - start
+    return out
