@@ -21,6 +21,7 @@ from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
 from zerotrain.config.policies import DTYPE_BY_NAME
 from zerotrain.utils.logging import get_logger
+from zerotrain.utils.progress import Progress
 
 log = get_logger(__name__)
 
@@ -85,9 +86,13 @@ def consolidate(
     target = Path(out)
     tmp = target.with_name(f".{target.name}.partial")
     writer = StreamingWriter(tmp, specs, {"format": "pt"})
+    total = sum(spec.nbytes for spec in specs)
     try:
-        for (key, name), spec in zip(entries, specs, strict=True):
-            writer.write(key, reader.tensor(name, spec.dtype))
+        with Progress(total, f"consolidating {reader.path.name}", unit="B") as progress:
+            for (key, name), spec in zip(entries, specs, strict=True):
+                tensor = reader.tensor(name, spec.dtype)
+                writer.write(key, tensor)
+                progress.update(tensor.numel() * tensor.element_size())
     except BaseException:
         writer.close_quietly()
         tmp.unlink(missing_ok=True)

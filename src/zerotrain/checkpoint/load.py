@@ -314,7 +314,7 @@ def load_checkpoint(
         raise
     except Exception as exc:
         raise CheckpointError(f"loading {reader.path} failed: {exc}") from exc
-    engine._window_losses.clear()
+    engine.window_losses.clear()
     if comm.rank == 0:
         log.info(
             "loaded checkpoint %s (saved by %d rank(s) at ZeRO stage %d, step %d)",

@@ -1,5 +1,6 @@
 """The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT,
-``consolidate`` turns a sharded checkpoint into one safetensors file."""
+``consolidate`` turns a sharded checkpoint into one safetensors file, ``estimate`` predicts
+per-rank memory of a ZeRO configuration."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 from zerotrain.cli import consolidate as consolidate_cmd
 from zerotrain.cli import demo as demo_cmd
+from zerotrain.cli import estimate as estimate_cmd
 from zerotrain.cli import run as run_cmd
 
 
@@ -26,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
             "consolidate", help="write a sharded checkpoint's full state dict to one file"
         )
     )
+    estimate_cmd.add_estimate_arguments(
+        sub.add_parser(
+            "estimate",
+            help="per-rank memory of a ZeRO configuration and the largest model that fits",
+        )
+    )
     return parser
 
 
@@ -36,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cmd.run(args)
     if args.command == "consolidate":
         return consolidate_cmd.run_consolidate(args)
+    if args.command == "estimate":
+        return estimate_cmd.run_estimate(args)
     return demo_cmd.demo(args)
 
 

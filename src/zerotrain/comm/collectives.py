@@ -1,8 +1,9 @@
 """The only module that calls ``torch.distributed`` collectives.
 
-Every call goes through a :class:`Communicator`, which counts it in :class:`CommStats` and
-turns a failure (a peer that died, a rank that took another code path until the timeout)
-into a :class:`CollectiveError` naming the rank, the collective and what it carried.
+Every call goes through a :class:`Communicator`, which counts it in :class:`CommStats`, times
+it when the comms logger profiles it (see ``comms_logger.py``), and turns a failure (a peer
+that died, a rank that took another code path until the timeout) into a
+:class:`CollectiveError` naming the rank, the collective and what it carried.
 Asynchronous calls return a :class:`Handle` with an explicit ``wait()``.
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.comm import shm
+from zerotrain.comm.comms_logger import CommsLogger, CommsLoggerPolicy, CommsSummary
 from zerotrain.comm.stats import CommSnapshot, CommStats
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -85,6 +87,12 @@ def _signature(op: str, purpose: str, payload: torch.Tensor, label: str | None) 
     )
 
 
+def _in_flight(work: dist.Work | Sequence[dist.Work] | None) -> bool:
+    """Whether the backend returned work still to wait for (the shared-memory path returns
+    none: it completes inside the call)."""
+    return work is not None and (isinstance(work, dist.Work) or len(work) > 0)
+
+
 def _failure_message(what: str, exc: BaseException) -> str:
     if isinstance(exc, shm.ShmMismatchError):
         return f"{what}: {exc}"
@@ -132,6 +140,7 @@ class Communicator:
             )
         self.device = device
         self.stats = CommStats()
+        self.comms_logger = CommsLogger(self.world_size)  # disabled until configure_logger
         if shared_memory is None:
             shared_memory = self.backend == "gloo" and self.world_size > 1
         self._shm = self._open_shared_memory() if shared_memory else None
@@ -218,6 +227,18 @@ class Communicator:
         """Counts of every collective issued so far (see ``CommStats``)."""
         return self.stats.snapshot()
 
+    def configure_logger(self, policy: CommsLoggerPolicy) -> None:
+        """Time collectives issued from now on as ``policy`` says (``comms_logger`` config).
+
+        Measurements recorded so far are kept; ``comms_logger.reset()`` forgets them.
+        """
+        self.comms_logger.policy = policy
+
+    def comms_summary(self) -> CommsSummary:
+        """Latency and bandwidth of every profiled collective completed so far (empty when
+        the logger is disabled); ``str()`` of it is a table."""
+        return self.comms_logger.summary()
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def _run(
@@ -242,10 +263,20 @@ class Communicator:
         self.stats.record(op, purpose, nbytes)
         if self._verify:
             self._verify_signature(signature)
+        # The clock starts after the signature check: that is not part of the collective, and
+        # it has just lined the ranks up, so less of another rank's lateness is counted.
+        timer = self.comms_logger.start(op, purpose, nbytes, payload.device, label)
         try:
             work = call(signature)
         except Exception as exc:
             raise CollectiveError(_failure_message(describe(), exc)) from exc
+        if timer is not None:
+            if _in_flight(work):
+                # Known complete only when waited; for an async call the caller may overlap
+                # other work before that, which the sample then includes (marked overlapped).
+                on_done = timer.stopping(on_done, overlapped=async_op)
+            else:
+                timer.stop(overlapped=False)  # finished inside the call (shared memory)
         handle = Handle(work, describe, on_done, self.timeout)
         if not async_op:
             handle.wait()

@@ -4,6 +4,8 @@ Volumes follow the ZeRO paper's model so stages can be compared with its 2Ψ / 3
 an all-reduce of S bytes moves 2S (a reduce-scatter plus an all-gather), a reduce-scatter or
 an all-gather of a full tensor of S bytes moves S, a broadcast of S bytes moves S. The model
 does not depend on the world size. ``payload_bytes`` is the plain size of the full tensor.
+Latency and bandwidth (nccl-tests' algbw / busbw, which do depend on the world size) are the
+comms logger's, in ``comms_logger.py``.
 """
 
 from __future__ import annotations

@@ -125,17 +125,8 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         name = optim_params.canonical_scheduler(cfg.scheduler.type)
         if name in optim_params.SCHEDULERS_NOT_IMPLEMENTED:
             found.append(f"scheduler.type={cfg.scheduler.type}: this scheduler")
-    ac = cfg.activation_checkpointing
-    if ac.model_fields_set and any(
-        getattr(ac, k) for k in ac.model_fields_set if k != "number_checkpoints"
-    ):
-        found.append("activation_checkpointing: zerotrain.checkpointing")
-    for name in ("flops_profiler", "tensorboard", "csv_monitor", "wandb", "comms_logger"):
-        if getattr(cfg, name).enabled:
-            found.append(f"{name}.enabled=true: {name}")
-    for name in ("wall_clock_breakdown", "dump_state"):
-        if getattr(cfg, name):
-            found.append(f"{name}=true: {name}")
+    if cfg.dump_state:
+        found.append("dump_state=true: dump_state")
     if cfg.checkpoint.load_universal or cfg.checkpoint.use_node_local_storage:
         found.append("checkpoint.load_universal/use_node_local_storage: checkpoint options")
     for name in (*_LOOSE_ENABLED_BY_FLAG, *_LOOSE_ENABLED_BY_PRESENCE):
@@ -177,6 +168,11 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
         notes.append(
             "bf16.immediate_grad_update: gradients are always added into the accumulation "
             "buffer as autograd produces them; this key has no effect"
+        )
+    if cfg.activation_checkpointing.partition_activations:
+        notes.append(
+            "activation_checkpointing.partition_activations splits checkpoint inputs over the "
+            "tensor-parallel group; without tensor parallelism (size 1) it has no effect"
         )
     uses_nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
     if "aio" in cfg.model_fields_set and not uses_nvme:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zerotrain.utils.memory import format_bytes
+from zerotrain.zero.strategy import ZeroStrategy
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +75,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 def buffer_bytes(module: nn.Module) -> int:
     """Bytes of the module's registered buffers."""
     return tensor_bytes(module.buffers())
+
+
+def memory_breakdown(
+    module: nn.Module, strategy: ZeroStrategy, optimizer: torch.optim.Optimizer | None
+) -> MemoryBreakdown:
+    """Bytes this rank holds for the model states of ``module`` trained by ``strategy``."""
+    managed = strategy.managed()
+    loose = [p for p in module.parameters() if id(p) not in managed]
+    return MemoryBreakdown(
+        params=strategy.param_bytes() + tensor_bytes(loose),
+        grads=strategy.grad_bytes(),
+        master_weights=strategy.master_bytes(),
+        optimizer_states=optimizer_state_bytes(optimizer),
+        buffers=buffer_bytes(module),
+        gathered=strategy.gathered_bytes()[1],
+        staging=strategy.staging_bytes(),
+    )

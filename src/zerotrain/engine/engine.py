@@ -19,30 +19,27 @@ Like DeepSpeed's engine, it is an ``nn.Module`` wrapping the model as ``engine.m
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from zerotrain import checkpointing
 from zerotrain.checkpoint.load import LoadReport, load_checkpoint
 from zerotrain.checkpoint.save import save_checkpoint
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import DistEnv
 from zerotrain.comm.stats import CommSnapshot
 from zerotrain.config.policies import PrecisionPolicy, TrainingPolicy
-from zerotrain.engine.accounting import (
-    MemoryBreakdown,
-    buffer_bytes,
-    optimizer_state_bytes,
-    tensor_bytes,
-)
+from zerotrain.engine.accounting import MemoryBreakdown, memory_breakdown
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.optimizers import EngineOptimizer
+from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
+from zerotrain.estimate import MemoryEstimate
 from zerotrain.optim.clip import global_grad_norm, unscale_and_clip_
+from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
-from zerotrain.utils.memory import format_bytes, peak_rss_bytes
 from zerotrain.zero.strategy import ZeroStrategy
 
 log = get_logger(__name__)
@@ -79,6 +76,8 @@ class Engine(nn.Module):
         optimizer: EngineOptimizer,
         lr_scheduler: Any,
         precision: PrecisionPolicy | None = None,
+        telemetry: TelemetryPolicy | None = None,
+        memory_estimate: MemoryEstimate | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -98,18 +97,23 @@ class Engine(nn.Module):
         # the compute dtype too, as after model.to(dtype); destroy() casts it back.
         self._cast_back: list[tuple[torch.Tensor, torch.dtype]] = []
         if self.precision.compute is not None:
-            self._cast_back = _cast_the_rest(module, strategy.managed(), self.precision.compute)
+            self._cast_back = cast_the_rest(module, strategy.managed(), self.precision.compute)
         # The loader initialize built from training_data (its position is checkpointed).
         self.training_dataloader: DistributedDataLoader | None = None
         self.last_load_report: LoadReport | None = None
+        # initialize checkpointed the model's blocks (config activation_checkpointing.
+        # block_types): destroy() undoes it.
+        self.checkpointed_blocks = False
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
         self._backward_pending_step = False
         self._grad_norm: torch.Tensor | None = None
-        self._window_losses: list[torch.Tensor] = []
-        self._window_start = time.perf_counter()
-        self._window_samples = 0
+        # This rank's micro-batch losses since the last periodic report.
+        self.window_losses: list[torch.Tensor] = []
+        self.telemetry = Telemetry(
+            telemetry or TelemetryPolicy(), env.device, comm.rank, memory_estimate
+        )
 
     # -- forward / backward / step --------------------------------------------------------------
 
@@ -119,8 +123,10 @@ class Engine(nn.Module):
         ``bf16.auto_cast`` / ``fp16.auto_cast`` is false)."""
         dtype = self.precision.compute
         if dtype is not None and self.precision.cast_inputs:
-            args, kwargs = _cast_floating((args, kwargs), dtype)
-        return self.module(*args, **kwargs)
+            args, kwargs = cast_floating((args, kwargs), dtype)
+        self.telemetry.before_forward(self)
+        with self.telemetry.phase("forward"):
+            return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step whose ``step()`` updates the parameters."""
@@ -159,15 +165,17 @@ class Engine(nn.Module):
             scaled = loss / divisor if divisor > 1 else loss
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
         try:
-            scaled.backward(retain_graph=retain_graph)
+            with self.telemetry.phase("backward"):
+                scaled.backward(retain_graph=retain_graph)
         except BaseException as exc:
             self.strategy.abort_backward()
             self.micro_steps -= self.micro_steps % gas  # the window starts over
             if self.policy.stage == 3 and "storage of size 0" in str(exc):
                 raise RuntimeError(_RELEASED_IN_BACKWARD) from exc
             raise
-        self.strategy.end_backward()
-        self._window_losses.append(loss.detach())
+        with self.telemetry.phase("grad_comm_wait"):
+            self.strategy.end_backward()
+        self.window_losses.append(loss.detach())
         self._backward_pending_step = True
         return loss
 
@@ -178,42 +186,44 @@ class Engine(nn.Module):
                 "step() called without engine.backward(loss) for this micro-step (calling "
                 "loss.backward() directly bypasses gradient averaging)"
             )
-        batch = self.policy.batch
         if self.is_gradient_accumulation_boundary():
-            grads = self.strategy.reduced_grads()
-            norm = global_grad_norm(grads, self.strategy.partial_norm_reducer())
-            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-            # Kept as a tensor unless overflow is checked: converting it would force a
-            # device sync every step.
-            overflow = self.precision.check_overflow and not bool(torch.isfinite(norm))
-            self._step_applied = not overflow
-            if overflow:
-                self._grad_norm = norm
-                self.strategy.skip_step()
-                self.skipped_steps += 1
-            else:
-                self._grad_norm = unscale_and_clip_(grads, norm, 1.0 / scale, self.policy.clip_norm)
-                self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(overflow)
-            if overflow:
-                log.info(
-                    "step %d: gradient overflow (inf/NaN) on some rank; update skipped on "
-                    "every rank%s",
-                    self.global_steps + 1,
-                    f", loss scale {scale:g} -> {self.loss_scale:g}"
-                    if self.loss_scaler is not None
-                    else "",
-                )
+            with self.telemetry.phase("step"):
+                self._update()
             self.global_steps += 1
-            if self.global_steps % self.policy.steps_per_print == 0:
-                self._report()
+            gas = self.policy.batch.gradient_accumulation_steps
+            self.telemetry.after_step(self, self.window_losses[-gas:])
         self.micro_steps += 1
-        self.global_samples += batch.micro_batch_size * batch.dp_world_size
-        self._window_samples += batch.micro_batch_size * batch.dp_world_size
+        self.global_samples += self.policy.batch.micro_batch_size * self.policy.batch.dp_world_size
         self._backward_pending_step = False
+
+    def _update(self) -> None:
+        """Clip, step and schedule on the reduced gradients, or skip on an overflow."""
+        grads = self.strategy.reduced_grads()
+        norm = global_grad_norm(grads, self.strategy.partial_norm_reducer())
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # Kept as a tensor unless overflow is checked: converting it would force a device
+        # sync every step.
+        overflow = self.precision.check_overflow and not bool(torch.isfinite(norm))
+        self._step_applied = not overflow
+        if overflow:
+            self._grad_norm = norm
+            self.strategy.skip_step()
+            self.skipped_steps += 1
+        else:
+            self._grad_norm = unscale_and_clip_(grads, norm, 1.0 / scale, self.policy.clip_norm)
+            self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        if overflow:
+            log.info(
+                "step %d: gradient overflow (inf/NaN) on some rank; update skipped on every rank%s",
+                self.global_steps + 1,
+                f", loss scale {scale:g} -> {self.loss_scale:g}"
+                if self.loss_scaler is not None
+                else "",
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the accumulated gradients (the engine already does this after every step).
@@ -290,17 +300,7 @@ class Engine(nn.Module):
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes this rank holds for model states, by category."""
-        managed = self.strategy.managed()
-        loose = [p for p in self.module.parameters() if id(p) not in managed]
-        return MemoryBreakdown(
-            params=self.strategy.param_bytes() + tensor_bytes(loose),
-            grads=self.strategy.grad_bytes(),
-            master_weights=self.strategy.master_bytes(),
-            optimizer_states=optimizer_state_bytes(self.optimizer),
-            buffers=buffer_bytes(self.module),
-            gathered=self.strategy.gathered_bytes()[1],
-            staging=self.strategy.staging_bytes(),
-        )
+        return memory_breakdown(self.module, self.strategy, self.optimizer)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -371,61 +371,12 @@ class Engine(nn.Module):
         (frozen parameters, which have no master, come back as their compute-dtype values).
         Collective at stage 3, and under mixed precision at stages 1-2 (the master slices
         are gathered): call it on every rank."""
+        self.telemetry.close()
         self.strategy.remove()
+        if self.checkpointed_blocks:
+            checkpointing.remove(self.module)
+            self.checkpointed_blocks = False
         with torch.no_grad():
             for tensor, dtype in self._cast_back:
                 tensor.data = tensor.data.to(dtype)
         self._cast_back.clear()
-
-    # -- logging --------------------------------------------------------------------------------
-
-    def _report(self) -> None:
-        self.strategy.report_outside_changes()
-        # Average the window's loss over ranks: one tiny collective every steps_per_print.
-        losses = self._window_losses
-        local = torch.stack(losses).float().mean().item() if losses else 0.0
-        mean_loss = self.comm.all_reduce_floats([local])[0] / self.comm.world_size
-        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
-        lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
-        message = (
-            f"step {self.global_steps}: loss {mean_loss:.4f}, lr [{lrs}], "
-            f"grad norm {self.get_global_grad_norm() or 0.0:.4f}, "
-            f"{self._window_samples / elapsed:.1f} samples/s"
-        )
-        if self.loss_scaler is not None:
-            message += f", loss scale {self.loss_scale:g}, {self.skipped_steps} skipped"
-        if self.policy.log_memory:
-            message += f", peak RSS {format_bytes(peak_rss_bytes())}; {self.memory_breakdown()}"
-        log.info(message)
-        self._window_losses.clear()
-        self._window_samples = 0
-        self._window_start = time.perf_counter()
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor inside (tuples, lists, dicts) cast."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        items = [_cast_floating(v, dtype) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_cast_floating(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _cast_the_rest(
-    model: nn.Module, managed: set[int], dtype: torch.dtype
-) -> list[tuple[torch.Tensor, torch.dtype]]:
-    """Cast floating-point parameters outside the units and buffers to ``dtype``; returns
-    each with the dtype it had."""
-    cast = []
-    with torch.no_grad():
-        loose = [p for p in model.parameters() if id(p) not in managed]
-        for tensor in [*loose, *model.buffers()]:
-            if tensor.is_floating_point() and tensor.dtype != dtype:
-                cast.append((tensor, tensor.dtype))
-                tensor.data = tensor.data.to(dtype)
-    return cast

@@ -17,17 +17,19 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from zerotrain import checkpointing
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import init_distributed
 from zerotrain.config.features import inert_keys, not_implemented
 from zerotrain.config.loader import load_config
-from zerotrain.config.policies import to_policies
+from zerotrain.config.policies import ActivationCheckpointingPolicy, to_policies
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import Engine
 from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
+from zerotrain.engine.telemetry import predict_memory, telemetry_policy
 from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
 from zerotrain.zero.init import deferred_values, materialize
@@ -85,6 +87,24 @@ def _check_not_wrapped(model: nn.Module) -> None:
             )
 
 
+def _setup_activation_checkpointing(
+    model: nn.Module, policy: ActivationCheckpointingPolicy | None, device: torch.device
+) -> bool:
+    """Apply the config's ``activation_checkpointing``; returns whether blocks were wrapped."""
+    if policy is None:
+        return False  # the section is absent: keep what checkpointing.configure() set
+    checkpointing.configure(policy)
+    if policy.cpu_checkpointing and device.type == "cpu":
+        log.info(
+            "config: activation_checkpointing.cpu_checkpointing has no effect: the device is "
+            "the CPU, where checkpoint inputs live already"
+        )
+    if policy.block_types is None:
+        return False
+    checkpointing.apply(model, policy.block_types)
+    return True
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -136,6 +156,8 @@ def initialize(
     env = init_distributed()
     comm = Communicator(timeout=env.timeout, device=env.device)
     policies = to_policies(cfg, comm.world_size)
+    telemetry = telemetry_policy(cfg)
+    comm.configure_logger(telemetry.comms)
     for note in (*cfg.auto_notes, *inert_keys(cfg)):
         log.info("config: %s", note)
 
@@ -154,6 +176,9 @@ def initialize(
             tensor.data = tensor.data.to(env.device)
     _check_not_wrapped(model)
     _check_same_model(comm, model)
+    wrapped_blocks = _setup_activation_checkpointing(
+        model, policies.activation_checkpointing, env.device
+    )
     with torch.no_grad():
         # Parameters from zero.Init need no broadcast: every rank replays rank 0's recipe.
         params = [p.data for p in model.parameters() if not p.is_meta]
@@ -166,6 +191,9 @@ def initialize(
                 "model_parameters is ignored: the optimizer passed to initialize "
                 "already defines its parameter groups"
             )
+    estimate = None
+    if policies.training.log_memory:
+        estimate = predict_memory(model, policies, comm.rank, comm.world_size, env.device)
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     groups = resolve_param_groups(model, model_parameters, user_optimizer)
     strategy = ZeroStrategy(
@@ -192,8 +220,20 @@ def initialize(
             drop_last=policies.training.drop_last,
             pin_memory=env.device.type == "cuda",
         )
-    engine = Engine(model, env, comm, policies.training, strategy, opt, scheduler, precision)
+    engine = Engine(
+        model,
+        env,
+        comm,
+        policies.training,
+        strategy,
+        opt,
+        scheduler,
+        precision,
+        telemetry,
+        estimate,
+    )
     engine.training_dataloader = loader
+    engine.checkpointed_blocks = wrapped_blocks
     batch = policies.training.batch
     log.info(
         "initialized: ZeRO stage %d, %s, %d rank(s), %d parameters in %d unit(s), batch %d = "

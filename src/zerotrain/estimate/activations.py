@@ -1,0 +1,74 @@
+"""Activation memory of a GPT-like model: the tensors autograd saves in forward for
+backward, plus the largest temporaries of the first backward steps.
+
+Derivation, per token of a pre-norm block with hidden width ``h`` and MLP width ``f``
+(``examples/gpt.py``; SDPA attention, which keeps no ``T x T`` matrix):
+
+=====================  =====================================  ===========
+operation              saved for backward                     elements
+=====================  =====================================  ===========
+ln1                    its input (the residual stream)        h
+qkv linear             its input (ln1's output)               h
+attention (SDPA)       q, k, v (views of the qkv output),     3h + h
+                       its output (proj reads it as a view)
+ln2                    its input (residual after attention)   h
+fc linear              its input (ln2's output)               h
+gelu                   its input (fc's output)                f
+proj linear            its input (gelu's output)              f
+=====================  =====================================  ===========
+
+That is ``8h + 2f`` elements per token (``16h`` at ``f = 4h``) in the compute dtype, plus
+fp32 statistics: two per LayerNorm (mean, 1/std) and one log-sum-exp per head. Residual
+additions and zero-probability dropout save nothing. After the blocks: the final norm's
+input and output (``2h``) and cross-entropy's log-softmax output (``V`` per token).
+
+The peak comes at the start of backward, when everything above is still saved and the
+loss's gradient with respect to the logits (``V``) and the first block's MLP gradients
+(``2f``) are live at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerotrain.estimate.shapes import TransformerShape
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationBytes:
+    """Activation memory of one micro-batch on one rank.
+
+    Attributes:
+        saved: bytes autograd keeps from forward for backward.
+        transient: the largest temporaries live on top of ``saved`` (start of backward).
+    """
+
+    saved: int
+    transient: int
+
+    @property
+    def peak(self) -> int:
+        """``saved + transient``."""
+        return self.saved + self.transient
+
+
+def gpt_activation_bytes(
+    shape: TransformerShape, micro_batch: int, seq_len: int, dtype_bytes: int
+) -> ActivationBytes:
+    """Activation bytes of one micro-batch of ``micro_batch`` sequences of ``seq_len``
+    tokens, computed in a dtype of ``dtype_bytes`` bytes.
+
+    Raises:
+        ValueError: a non-positive batch or sequence length.
+    """
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(
+            f"micro batch and sequence length must be >= 1, got {micro_batch} and {seq_len}"
+        )
+    tokens = micro_batch * seq_len
+    h, f, v = shape.hidden, shape.ffn_width, shape.vocab
+    per_layer = (8 * h + 2 * f) * dtype_bytes + (2 * 2 + shape.heads) * 4
+    head = 2 * h * dtype_bytes + 2 * 4 + v * dtype_bytes
+    saved = tokens * (shape.layers * per_layer + head)
+    transient = tokens * (v + 2 * f) * dtype_bytes
+    return ActivationBytes(saved=saved, transient=transient)
