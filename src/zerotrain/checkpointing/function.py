@@ -24,6 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from zerotrain.checkpointing.saved_inputs import InputKeeper
 from zerotrain.checkpointing.state import STATE
+from zerotrain.utils.device import synchronize
 
 T = TypeVar("T")
 
@@ -50,11 +51,6 @@ def _device_of(values: list[Any]) -> torch.device | None:
     return next((v.device for v in values if isinstance(v, torch.Tensor)), None)
 
 
-def _synchronize(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Rebuild:
     """Calls ``fn`` with the original arguments from their flattened form, so every tensor
     nested in args and kwargs is a checkpoint input (kept, moved, and its device's RNG
@@ -74,13 +70,13 @@ def _recomputation(device: torch.device | None, timed: bool, sync: bool) -> Iter
     """Runs around each recomputation (which may end early by an exception of PyTorch's:
     once it has what backward needs it stops)."""
     if sync or timed:
-        _synchronize(device)
+        synchronize(device)
     start = time.perf_counter()
     try:
         yield
     finally:
         if sync or timed:
-            _synchronize(device)
+            synchronize(device)
         STATE.stats.recomputes += 1
         if timed:
             STATE.stats.recompute_seconds += time.perf_counter() - start
@@ -121,7 +117,7 @@ def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
     keeper = _current_keeper()
     if sync or timed:
-        _synchronize(device)
+        synchronize(device)
     start = time.perf_counter()
     _depth += 1
     try:
@@ -132,7 +128,7 @@ def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     finally:
         _depth -= 1
     if sync or timed:
-        _synchronize(device)
+        synchronize(device)
     STATE.stats.calls += 1
     if timed:
         STATE.stats.forward_seconds += time.perf_counter() - start

@@ -34,7 +34,9 @@ from typing import NamedTuple
 
 import torch
 
+from zerotrain.utils.device import synchronize
 from zerotrain.utils.logging import get_logger
+from zerotrain.utils.memory import format_bytes
 
 log = get_logger(__name__)
 
@@ -239,7 +241,7 @@ class CommsSummary:
         rows = [head]
         for (op, purpose, caller, mode, size), t in sorted(groups.items()):
             row = f"{op:<15}{purpose:<12}" + (f"{caller:<24}" if with_caller else "")
-            row += f"{mode:<7}" + (f"{_human_bytes(size):>11}" if by_size else "")
+            row += f"{mode:<7}" + (f"{format_bytes(size, decimals=2):>11}" if by_size else "")
             row += (
                 f"{t.calls:>8}{t.payload_bytes / 1e6:>11.3f}{t.mean_s * 1e3:>10.3f}"
                 f"{t.min_s * 1e3:>10.3f}{t.max_s * 1e3:>10.3f}"
@@ -250,20 +252,6 @@ class CommsSummary:
 
     def __str__(self) -> str:
         return self.table()
-
-
-def _human_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA only; CPU collectives are host-synchronous
-    once waited)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class OpTimer:
@@ -286,14 +274,14 @@ class OpTimer:
         self._nbytes = nbytes
         self._device = device
         self._label = label
-        _synchronize(device)  # earlier queued kernels are not this collective's time
+        synchronize(device)  # earlier queued kernels are not this collective's time
         self._start: float | None = time.perf_counter()
 
     def stop(self, overlapped: bool) -> None:
         """The collective is complete: record its latency (later calls do nothing)."""
         if self._start is None:
             return
-        _synchronize(self._device)  # NCCL's wait only orders streams; the host must wait too
+        synchronize(self._device)  # NCCL's wait only orders streams; the host must wait too
         elapsed = time.perf_counter() - self._start
         self._start = None
         self._logger.record(self._op, self._purpose, self._nbytes, elapsed, overlapped, self._label)
@@ -358,7 +346,7 @@ class CommsLogger:
                 op,
                 purpose,
                 caller,
-                _human_bytes(nbytes),
+                format_bytes(nbytes, decimals=2),
                 seconds * 1e3,
                 " (to wait)" if overlapped else "",
                 algbw / 1e9,

@@ -186,14 +186,15 @@ class Engine(nn.Module):
                 "step() called without engine.backward(loss) for this micro-step (calling "
                 "loss.backward() directly bypasses gradient averaging)"
             )
+        batch = self.policy.batch
+        self.global_samples += batch.micro_batch_size * batch.dp_world_size
         if self.is_gradient_accumulation_boundary():
             with self.telemetry.phase("step"):
                 self._update()
             self.global_steps += 1
-            gas = self.policy.batch.gradient_accumulation_steps
-            self.telemetry.after_step(self, self.window_losses[-gas:])
+            step_losses = self.window_losses[-batch.gradient_accumulation_steps :]
+            self.telemetry.after_step(self, step_losses)
         self.micro_steps += 1
-        self.global_samples += self.policy.batch.micro_batch_size * self.policy.batch.dp_world_size
         self._backward_pending_step = False
 
     def _update(self) -> None:

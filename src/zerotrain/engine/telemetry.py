@@ -72,7 +72,6 @@ class Telemetry:
         self.monitors = Monitors(policy.monitors, rank=rank)
         self.rank = rank
         self.flops_profiler: FlopsProfiler | None = None
-        self.flops_report_text: str | None = None
         self._steps_in_window = 0
         self._window_start = time.perf_counter()
         self._step_start = time.perf_counter()
@@ -105,7 +104,6 @@ class Telemetry:
             f"({engine.gradient_accumulation_steps()} micro-step(s), rank {self.rank}):\n"
             + report.table(flops.module_depth, flops.top_modules, flops.detailed)
         )
-        self.flops_report_text = text
         if self.rank != 0:
             return
         if flops.output_file:
@@ -135,9 +133,7 @@ class Telemetry:
         step_seconds, self._step_start = now - self._step_start, now
         self._steps_in_window += 1
         if self.monitors.active:
-            samples = engine.global_samples + engine.train_micro_batch_size_per_gpu() * (
-                engine.world_size
-            )
+            samples = engine.global_samples
             loss = torch.stack(step_losses).float().mean().item() if step_losses else 0.0
             events: list[Event] = [
                 (tags.TRAIN_LOSS, loss, samples),
@@ -198,7 +194,7 @@ class Telemetry:
         every = engine.comm.all_reduce_floats(mine)
         if not self.monitors.active:
             return
-        samples = engine.global_samples + engine.train_micro_batch_size_per_gpu() * world
+        samples = engine.global_samples
         events: list[Event] = [(tags.memory_tag(r), every[r], samples) for r in range(world)]
         if cuda:
             events += [
@@ -267,7 +263,11 @@ def telemetry_policy(cfg: ZeroTrainConfig) -> TelemetryPolicy:
     )
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES: dict[torch.dtype | None, str] = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
 
 
 def predict_memory(
@@ -282,14 +282,13 @@ def predict_memory(
         log.info("memory estimate skipped: the estimator does not know this optimizer")
         return None
     precision, stage3, reduce = policies.precision, policies.stage3, policies.grad_reduce
-    dtype = _DTYPE_NAMES.get(precision.compute, "fp32") if precision.compute else "fp32"
     return estimate_memory(
         model,
         world_size=world_size,
         stage=policies.training.stage,
-        dtype=dtype,
-        grad_accum_dtype=_DTYPE_NAMES.get(precision.grad_accum) if precision.grad_accum else None,
-        communication_dtype=_DTYPE_NAMES.get(precision.comm) if precision.comm else None,
+        dtype=_DTYPE_NAMES.get(precision.compute, "fp32"),  # None: the model's own, fp32 here
+        grad_accum_dtype=_DTYPE_NAMES.get(precision.grad_accum),
+        communication_dtype=_DTYPE_NAMES.get(precision.comm),
         optimizer=spec.name,
         device="cuda" if device.type == "cuda" else "cpu",
         rank=rank,

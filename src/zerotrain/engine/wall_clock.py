@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+from zerotrain.utils.device import synchronize
+
 # forward: the model's forward. backward: autograd, with the gradient reductions launched
 # from its hooks (overlapped). grad_comm_wait: after autograd, launching the remaining
 # reductions and waiting for all of them: communication that backward did not hide.
@@ -36,7 +38,6 @@ class WallClock:
 
     def __init__(self, enabled: bool, device: torch.device) -> None:
         self.enabled = enabled
-        self._sync = device.type == "cuda"
         self._device = device
         self.seconds = dict.fromkeys(PHASES, 0.0)
 
@@ -50,14 +51,12 @@ class WallClock:
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
-        if self._sync:
-            torch.cuda.synchronize(self._device)
+        synchronize(self._device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self._sync:
-                torch.cuda.synchronize(self._device)
+            synchronize(self._device)
             self.seconds[name] += time.perf_counter() - start
 
     def per_step_ms(self, steps: int) -> dict[str, float]:

@@ -25,14 +25,15 @@ def current_rss_bytes() -> int:
     return resident_pages * resource.getpagesize()
 
 
-def format_bytes(n: float) -> str:
-    """Human-readable size with binary units, e.g. ``12.3 MiB``."""
+def format_bytes(n: float, decimals: int = 1) -> str:
+    """Human-readable size with binary units, e.g. ``12.3 MiB`` (``decimals`` digits after
+    the point; whole bytes have none)."""
     units = ("B", "KiB", "MiB", "GiB", "TiB")
     i = 0
     while abs(n) >= 1024 and i < len(units) - 1:
         n /= 1024
         i += 1
-    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+    return f"{n:.0f} B" if i == 0 else f"{n:.{decimals}f} {units[i]}"
 
 
 def release_free_memory() -> None:
