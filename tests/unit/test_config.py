@@ -340,12 +340,42 @@ def test_enabled_unbuilt_features_are_listed_by_key():
     found = "\n".join(not_implemented(cfg))
     for key in (
         "fp16.fp16_master_weights_and_grads=true",
-        "zero_optimization.offload_param.device=cpu",
+        "optimizer.type=onebitadam with offload: the offloaded step runs adam or adamw",
         "optimizer.type=OneBitAdam",
         "sparse_attention",
         "tensor_parallel (size 4)",
     ):
         assert key in found
+
+
+def test_offload_needs_partitioned_states_and_adam():
+    at_stage_0 = load_config({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert "at stage 0: offload steps partitioned optimizer states" in "\n".join(
+        not_implemented(at_stage_0)
+    )
+    sgd = load_config(
+        {
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        }
+    )
+    assert "optimizer.type=sgd with offload" in "\n".join(not_implemented(sgd))
+    fine = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+            },
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        }
+    )
+    assert not_implemented(fine) == []
+
+
+def test_offload_param_below_stage_3_is_noted():
+    cfg = load_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert any("offload_param acts only at stage 3" in n for n in inert_keys(cfg))
 
 
 def test_disabled_sections_are_not_reported():
@@ -370,13 +400,10 @@ def test_initialize_refuses_unbuilt_features_before_touching_the_model():
 
     import zerotrain
 
-    with pytest.raises(NotImplementedError, match=r"offload_optimizer\.device=cpu"):
+    with pytest.raises(NotImplementedError, match=r"tensor_parallel"):
         zerotrain.initialize(
             model=torch.nn.Linear(2, 2),
-            config={
-                "train_batch_size": 2,
-                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-            },
+            config={"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2}},
         )
     assert not torch.distributed.is_initialized()  # refused before joining a group
 

@@ -289,10 +289,12 @@ def load_checkpoint(
     report = _match_model(engine, manifest, reader.path, strict)
     try:
         engine.strategy.zero_grads()
-        _load_params(engine, reader)
-        if not load_module_only:
-            if load_optimizer_states:
+        # Swapped-out states (NVMe offload) are filled in memory and written to their files.
+        with engine.strategy.resident(write_back=True):
+            _load_params(engine, reader)
+            if not load_module_only and load_optimizer_states:
                 _load_optimizer(engine, reader)
+        if not load_module_only:
             if load_lr_scheduler_states and engine.lr_scheduler is not None:
                 if manifest.scheduler is None:
                     log.warning("%s has no lr scheduler state; the schedule starts over", path)

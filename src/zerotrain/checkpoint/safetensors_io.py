@@ -22,6 +22,7 @@ from typing import BinaryIO
 import torch
 
 from zerotrain.checkpoint.errors import CorruptCheckpointError
+from zerotrain.utils.raw_bytes import raw_bytes
 
 _CODES = {
     torch.float64: "F64",
@@ -38,14 +39,6 @@ _CODES = {
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _CHUNK_BYTES = 32 << 20  # bounds the staging buffers of conversions and device copies
 _MAX_HEADER = 512 << 20
-
-
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy().data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +103,7 @@ class StreamingWriter:
         step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
         for lo in range(0, flat.numel(), step):
             chunk = flat[lo : lo + step].to("cpu", spec.dtype).contiguous()
-            self._emit(_raw_bytes(chunk))
+            self._emit(raw_bytes(chunk))
         self._next += 1
 
     def close_quietly(self) -> None:
@@ -189,7 +182,7 @@ class SafetensorsReader:
                 b = min(out.numel(), a + step)
                 target = out[a:b] if direct else torch.empty(b - a, dtype=entry.dtype)
                 f.seek(entry.begin + (lo + a) * size)
-                view = _raw_bytes(target)
+                view = raw_bytes(target)
                 got = 0
                 while got < len(view):  # readinto may return short counts
                     n = f.readinto(view[got:])

@@ -286,29 +286,31 @@ def save_checkpoint(
     agree(comm, error, f"creating {partial}")
 
     try:
-        engine.strategy.adopt_outside_changes()  # what the user wrote since the last step
-        names = regions.canonical_names(engine.module)
-        plan = _ShardPlan(shard_file(comm.rank))
-        _plan_units(engine, plan, names)
-        state, rng_tensors = rng.capture(engine.device)
-        plan.tensors.update(rng_tensors)
-        if comm.rank == 0:
-            for name, param in regions.loose_parameters(engine):
-                plan.add_whole(f"loose.{name}", param.detach(), "param", name)
-            tables = _model_tables(engine)
-            for name, buffer in regions.persistent_buffers(engine.module):
-                if name in tables[0]:
-                    plan.add_whole(f"buffer.{name}", buffer.detach(), "buffer", name)
-        size, crc = _write_shard(partial / plan.file, plan)
-        index = {
-            "file": plan.file,
-            "bytes": size,
-            "crc32": crc,
-            "fragments": plan.fragments,
-            "scalars": plan.scalars,
-            "rng": state,
-        }
-        write_json_atomically(partial / f"{plan.file}.index.json", index)
+        # Swapped-out states (NVMe offload) are read back for as long as they are written.
+        with engine.strategy.resident(write_back=False):
+            engine.strategy.adopt_outside_changes()  # what the user wrote since the last step
+            names = regions.canonical_names(engine.module)
+            plan = _ShardPlan(shard_file(comm.rank))
+            _plan_units(engine, plan, names)
+            state, rng_tensors = rng.capture(engine.device)
+            plan.tensors.update(rng_tensors)
+            if comm.rank == 0:
+                for name, param in regions.loose_parameters(engine):
+                    plan.add_whole(f"loose.{name}", param.detach(), "param", name)
+                tables = _model_tables(engine)
+                for name, buffer in regions.persistent_buffers(engine.module):
+                    if name in tables[0]:
+                        plan.add_whole(f"buffer.{name}", buffer.detach(), "buffer", name)
+            size, crc = _write_shard(partial / plan.file, plan)
+            index = {
+                "file": plan.file,
+                "bytes": size,
+                "crc32": crc,
+                "fragments": plan.fragments,
+                "scalars": plan.scalars,
+                "rng": state,
+            }
+            write_json_atomically(partial / f"{plan.file}.index.json", index)
     except Exception as exc:
         error = exc
     agree(comm, error, f"writing their shards into {partial}")

@@ -90,6 +90,10 @@ def _tensor_parallel_size(section: LooseSection) -> int:
     return 1
 
 
+# Optimizers the offloaded step implements (config names, lower-case).
+OFFLOAD_OPTIMIZERS = frozenset({"adam", "adamw"})
+
+
 def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
     """Every enabled feature this version cannot run, as ``"path=value: explanation"``."""
     found: list[str] = []
@@ -99,10 +103,21 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
             f"zero_optimization.stage={zero.stage}: ZeRO stage {zero.stage} is not implemented "
             f"yet (available: {', '.join(map(str, IMPLEMENTED_STAGES))})"
         )
-    for name in ("offload_optimizer", "offload_param"):
-        device = getattr(zero, name).device
-        if device != "none":
-            found.append(f"zero_optimization.{name}.device={device}: offload")
+    offload = zero.offload_optimizer.device
+    if offload != "none" and zero.stage == 0:
+        found.append(
+            f"zero_optimization.offload_optimizer.device={offload} at stage 0: offload steps "
+            "partitioned optimizer states (use stage 1, 2 or 3)"
+        )
+    offloads = zero.offload_optimizer.device != "none" or (
+        zero.stage == 3 and zero.offload_param.device != "none"
+    )
+    chosen = optim_params.canonical_optimizer(cfg.optimizer.type) if cfg.optimizer else "adam"
+    if offloads and chosen not in OFFLOAD_OPTIMIZERS:
+        found.append(
+            f"optimizer.type={chosen} with offload: the offloaded step runs "
+            f"{' or '.join(sorted(OFFLOAD_OPTIMIZERS))}"
+        )
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         if getattr(zero, key):
             found.append(f"zero_optimization.{key}=true: quantized ZeRO communication")
@@ -173,6 +188,11 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
         notes.append(
             "activation_checkpointing.partition_activations splits checkpoint inputs over the "
             "tensor-parallel group; without tensor parallelism (size 1) it has no effect"
+        )
+    if zero.offload_param.device != "none" and zero.stage < 3:
+        notes.append(
+            f"zero_optimization.offload_param acts only at stage 3 (parameters are whole on "
+            f"every rank at stage {zero.stage}); it has no effect"
         )
     uses_nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
     if "aio" in cfg.model_fields_set and not uses_nvme:

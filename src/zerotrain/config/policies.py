@@ -185,6 +185,39 @@ class ActivationCheckpointingPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class OffloadPolicy:
+    """Where optimizer states and (stage 3) parameter shards live between uses.
+
+    ``optimizer`` / ``param``: "none", "cpu" or "nvme". NVMe offload keeps them in files
+    under the ``*_nvme_path`` directories, streamed through ``*_buffer_count`` buffers of
+    ``chunk_numel`` elements by ``io_threads`` threads issuing ``io_block_bytes`` requests.
+    ``max_in_cpu``: stage-3 parameter elements kept in memory (not swapped) under NVMe
+    parameter offload, taken by the units built first. ``pin_memory``: page-locked host
+    buffers (faster device transfers on CUDA).
+    """
+
+    optimizer: str = "none"
+    param: str = "none"
+    optimizer_nvme_path: str | None = None
+    param_nvme_path: str | None = None
+    optimizer_buffer_count: int = 4
+    param_buffer_count: int = 5
+    max_in_cpu: int = 1_000_000_000
+    pin_memory: bool = False
+    chunk_numel: int = 1 << 22
+    io_threads: int = 2
+    io_block_bytes: int = 8 << 20
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer != "none" or self.param != "none"
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.optimizer, self.param)
+
+
+@dataclass(frozen=True, slots=True)
 class Policies:
     """Everything ``initialize`` needs from the config."""
 
@@ -195,6 +228,7 @@ class Policies:
     optimizer: OptimizerSpec | None
     scheduler: SchedulerSpec | None
     activation_checkpointing: ActivationCheckpointingPolicy | None = None
+    offload: OffloadPolicy = OffloadPolicy()
 
 
 def _spec(kind: str, type_name: str, params: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
@@ -266,6 +300,25 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         optimizer,
         scheduler,
         activation_checkpointing_policy(cfg),
+        offload_policy(cfg),
+    )
+
+
+def offload_policy(cfg: ZeroTrainConfig) -> OffloadPolicy:
+    """The ``offload_optimizer`` / ``offload_param`` sections and the ``aio`` tuning."""
+    zero = cfg.zero_optimization
+    opt, param = zero.offload_optimizer, zero.offload_param
+    return OffloadPolicy(
+        optimizer=opt.device,
+        param=param.device,
+        optimizer_nvme_path=opt.nvme_path,
+        param_nvme_path=param.nvme_path,
+        optimizer_buffer_count=opt.buffer_count,
+        param_buffer_count=param.buffer_count,
+        max_in_cpu=param.max_in_cpu,
+        pin_memory=opt.pin_memory or param.pin_memory,
+        io_threads=max(2, cfg.aio.thread_count),
+        io_block_bytes=max(1 << 20, cfg.aio.block_size),
     )
 
 

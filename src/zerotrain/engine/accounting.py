@@ -26,6 +26,11 @@ class MemoryBreakdown:
             held at once so far, persistent units included.
         staging: buffers gradients pass through on their way to a reduce-scatter (stages
             2-3; sized by the largest unit, not by the model).
+        offload_buffers: host buffers the offloaded optimizer step streams chunks through.
+        nvme: bytes in this rank's swap files (NVMe offload); not memory, so not in
+            ``total``.
+        device: the training device type; ``host``: the categories kept in host memory
+            there (offloaded master weights and optimizer states on a GPU run).
     """
 
     params: int
@@ -35,18 +40,38 @@ class MemoryBreakdown:
     buffers: int
     gathered: int = 0
     staging: int = 0
+    offload_buffers: int = 0
+    nvme: int = 0
+    device: str = "cpu"
+    host: tuple[str, ...] = ()
+
+    def _categories(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if k not in ("nvme", "device", "host")}
 
     @property
     def total(self) -> int:
-        """Sum of all categories."""
-        return sum(asdict(self).values())
+        """Bytes in memory: every category but ``nvme``."""
+        return sum(self._categories().values())
+
+    def by_device(self) -> dict[str, int]:
+        """Bytes resident on the training device, in host memory, and on NVMe."""
+        placed = dict.fromkeys((self.device, "cpu", "nvme"), 0)
+        for name, value in self._categories().items():
+            where = "cpu" if name in self.host or name == "offload_buffers" else self.device
+            placed[where] += value
+        placed["nvme"] = self.nvme
+        return placed
 
     def as_dict(self) -> dict[str, int]:
-        """Categories (and ``total``) as a plain dict."""
-        return {**asdict(self), "total": self.total}
+        """Categories (``total`` and ``nvme`` included) as a plain dict."""
+        return {**self._categories(), "total": self.total, "nvme": self.nvme}
 
     def __str__(self) -> str:
-        return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.as_dict().items())
+        text = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.as_dict().items())
+        if self.device != "cpu" and self.host:
+            places = self.by_device()
+            text += "; " + ", ".join(f"{k} {format_bytes(v)}" for k, v in places.items())
+        return text
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -83,6 +108,11 @@ def memory_breakdown(
     """Bytes this rank holds for the model states of ``module`` trained by ``strategy``."""
     managed = strategy.managed()
     loose = [p for p in module.parameters() if id(p) not in managed]
+    offload = strategy.offload
+    device = strategy.comm.device.type
+    host: tuple[str, ...] = ()
+    if offload is not None and offload.policy.optimizer != "none":
+        host = ("master_weights", "optimizer_states")
     return MemoryBreakdown(
         params=strategy.param_bytes() + tensor_bytes(loose),
         grads=strategy.grad_bytes(),
@@ -91,4 +121,8 @@ def memory_breakdown(
         buffers=buffer_bytes(module),
         gathered=strategy.gathered_bytes()[1],
         staging=strategy.staging_bytes(),
+        offload_buffers=offload.buffer_bytes() if offload is not None else 0,
+        nvme=offload.nvme_bytes() if offload is not None else 0,
+        device=device,
+        host=host,
     )

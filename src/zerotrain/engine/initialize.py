@@ -30,6 +30,7 @@ from zerotrain.engine.engine import Engine
 from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
+from zerotrain.offload.manager import Offload
 from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
 from zerotrain.zero.init import deferred_values, materialize
@@ -196,6 +197,14 @@ def initialize(
         estimate = predict_memory(model, policies, comm.rank, comm.world_size, env.device)
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     groups = resolve_param_groups(model, model_parameters, user_optimizer)
+    offload = None
+    if policies.offload.enabled and zero.shard_optimizer:
+        offload = Offload(
+            policies.offload,
+            comm,
+            zero.shard_parameters,
+            policies.stage3.persistence_threshold,
+        )
     strategy = ZeroStrategy(
         groups.trainable,
         len(list(model.parameters())),
@@ -205,6 +214,7 @@ def initialize(
         policies.grad_reduce,
         Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
         precision,
+        offload,
     )
     opt = make_optimizer(optimizer, policies.optimizer, strategy, groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)

@@ -23,6 +23,8 @@ from zerotrain.optim.factory import (
     FlatGroup,
     build_optimizer,
     build_scheduler,
+    check_group_options,
+    hyperparameters,
     rebuild_over_flat,
 )
 from zerotrain.optim.lamb import Lamb
@@ -75,6 +77,8 @@ def make_optimizer(
             "use one of them"
         )
     sharded = strategy.optimizer_over_shards
+    if strategy.offload is not None:
+        return _offloaded(optimizer, spec, strategy, groups)
     if spec is not None:
         flat = flat_groups(strategy, groups)
         return EngineOptimizer(
@@ -111,6 +115,31 @@ def make_optimizer(
         _check_elementwise(from_callable)
         return EngineOptimizer(from_callable, steps_model_params=False)
     raise TypeError("optimizer must be a torch.optim.Optimizer, a callable(params) or None")
+
+
+def _offloaded(
+    optimizer: Any, spec: OptimizerSpec | None, strategy: ZeroStrategy, groups: ParamGroups
+) -> EngineOptimizer:
+    """Offload runs its own Adam over the pieces, streaming states through its buffers."""
+    assert strategy.offload is not None
+    if optimizer is not None:
+        raise ValueError(
+            "with zero_optimization.offload_optimizer/offload_param the optimizer step runs "
+            "on the offloaded states, so it must come from the config: remove the optimizer "
+            "passed to initialize and add an 'optimizer' section (Adam or AdamW)"
+        )
+    if spec is None:
+        log.warning("offload is configured but there is no optimizer: step() only averages")
+        return EngineOptimizer(None, steps_model_params=False)
+    if spec.name not in ("adam", "adamw"):
+        raise ValueError(
+            f"offloaded optimizer steps run Adam or AdamW; the config names '{spec.name}'"
+        )
+    hyper = hyperparameters(spec)
+    flat = flat_groups(strategy, groups)
+    check_group_options(list(hyper), [g.options for g in flat])
+    built = strategy.offload.build_optimizer(hyper, flat, strategy.units)
+    return EngineOptimizer(built, steps_model_params=False)
 
 
 def _check_elementwise(built: torch.optim.Optimizer) -> None:

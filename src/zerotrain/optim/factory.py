@@ -51,7 +51,7 @@ class FlatGroup:
     num_ids: int = 0
 
 
-def _hyperparameters(spec: OptimizerSpec) -> dict[str, Any]:
+def hyperparameters(spec: OptimizerSpec) -> dict[str, Any]:
     hyper = {k: v for k, v in spec.params.items() if k not in _INERT_KEYS}
     if spec.name == "adamw":
         hyper["adam_w_mode"] = True
@@ -81,7 +81,7 @@ def build_optimizer(
     spec: OptimizerSpec, groups: Sequence[FlatGroup], norm_reducer: NormReducer | None = None
 ) -> FlatOptimizer:
     """The optimizer ``spec`` names, over ``groups`` of flat tensors."""
-    hyper = _hyperparameters(spec)
+    hyper = hyperparameters(spec)
     check_group_options(list(hyper), [g.options for g in groups])
     if spec.name == "lamb":
         lamb_groups = [

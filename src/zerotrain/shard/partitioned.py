@@ -17,6 +17,7 @@ while released and see the same values again once the unit is gathered for backw
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from torch import nn
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.shard.layout import FlatLayout
 from zerotrain.utils.invariant import invariant
+
+if TYPE_CHECKING:
+    from zerotrain.offload.swapped import SwappedTensor
 
 
 def replace_storage(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -59,6 +63,9 @@ class PartitionedParams:
         self.device = shard.device
         self.owned = layout.shard_range(rank)
         self.shard = shard
+        # NVMe offload: ``shard`` lives in a swap file between uses and is read back for
+        # each gather (``prefetch_shard`` starts that read ahead of need).
+        self.swap: SwappedTensor | None = None
         self.full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         self.gathered = True  # until the free() below
         self._released = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -69,8 +76,20 @@ class PartitionedParams:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the permanent storage (this rank's slice)."""
+        """Bytes of the permanent storage (this rank's slice) in memory now."""
+        if self.swap is not None:
+            return self.swap.resident_bytes
         return self.shard.numel() * self.shard.element_size()
+
+    def drop_shard(self) -> None:
+        """Free a swapped-out shard read back for a gather that has not happened."""
+        if self.swap is not None and not self.gathered:
+            self.swap.drop()
+
+    def prefetch_shard(self) -> None:
+        """Start reading a swapped-out shard back (ahead of its gather)."""
+        if self.swap is not None:
+            self.swap.prefetch()
 
     @property
     def gathered_nbytes(self) -> int:
@@ -97,6 +116,8 @@ class PartitionedParams:
         """Start assembling the whole buffer; parameters are views of it from now on (their
         values are valid once the handle is waited on)."""
         invariant(not self.gathered, "unit gathered twice")
+        if self.swap is not None:
+            self.swap.materialize()
         self.full.untyped_storage().resize_(self.full_nbytes)
         self.gathered = True
         for i, param in enumerate(self.params):
@@ -123,6 +144,8 @@ class PartitionedParams:
         invariant(self.gathered, "unit not gathered")
         lo, hi = self.owned
         self.shard.copy_(self.full[lo:hi])
+        if self.swap is not None:
+            self.swap.write_back()
 
     def free(self) -> None:
         """Drop the gathered values; parameters become empty until the next gather."""
@@ -130,6 +153,8 @@ class PartitionedParams:
             param.data = self._released
         self.full.untyped_storage().resize_(0)
         self.gathered = False
+        if self.swap is not None:
+            self.swap.drop()
 
     def release(self) -> None:
         """Give every parameter its own full storage again (the unit must be gathered)."""

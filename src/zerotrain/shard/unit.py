@@ -19,9 +19,11 @@ checked cycle, so an ordering bug raises at once instead of stepping half-reduce
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +33,9 @@ from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.grads import FullGradients, ShardedGradients, StagingProvider
 from zerotrain.shard.layout import FlatLayout
+
+if TYPE_CHECKING:
+    from zerotrain.offload.swapped import SwappedTensor
 from zerotrain.shard.owned import ValueSource, copy_owned_range
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
@@ -79,6 +84,8 @@ class ShardedUnit:
         label: names the unit in messages (stage 3: the module it wraps).
         values: the full value of each parameter when they are not materialised (stage 3).
         precision: dtypes of parameters, gradients and their reduction; master weights.
+        master_on_host: optimizer offload: on an accelerator, keep the fp32 copy the
+            optimizer steps in host memory (also for fp32 parameters).
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class ShardedUnit:
         label: str | None = None,
         values: ValueSource | None = None,
         precision: PrecisionPolicy | None = None,
+        master_on_host: bool = False,
     ) -> None:
         sharded = zero.shard_optimizer
         invariant(
@@ -133,21 +141,32 @@ class ShardedUnit:
         self.master_range = (lo, max(lo, min(hi, stepped_end)))
         mlo, mhi = self.master_range
         device = comm.device if zero.shard_parameters else params[0].device
+        self.device = device
+        # Offload on an accelerator: the optimizer steps an fp32 copy in host memory, even
+        # when the parameters themselves are fp32.
+        host_master = master_on_host and device.type != "cpu"
         self.master: torch.Tensor | None = None
         self.buffer: FlatParamBuffer | PartitionedParams
+        if host_master:
+            self.master = copy_owned_range(
+                layout, self.master_range, value_of, torch.float32, torch.device("cpu")
+            )
         if zero.shard_parameters:
             wide = torch.float32 if precision.master_weights else compute
             owned = copy_owned_range(layout, self.owned, value_of, wide, device)
-            if precision.master_weights:
+            if precision.master_weights and not host_master:
                 self.master = owned if mhi == hi else owned[: mhi - mlo].clone()
             self.buffer = PartitionedParams(layout, params, comm.rank, owned.to(compute))
         else:
-            if precision.master_weights:
+            if precision.master_weights and not host_master:
                 self.master = copy_owned_range(
                     layout, self.master_range, value_of, torch.float32, device
                 )
             self.buffer = FlatParamBuffer(layout, params, compute)
         self.persistent = False  # stage 3: stays gathered (set by the gatherer)
+        # NVMe offload: the master's values live in a swap file (offload/swapped.py); the
+        # tensor keeps its identity, resident only while something materializes it.
+        self.master_swap: SwappedTensor | None = None
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
         self.trainable = tuple(trainable) if trainable is not None else (True,) * len(params)
@@ -198,8 +217,33 @@ class ShardedUnit:
 
     @property
     def master_nbytes(self) -> int:
-        """Bytes of the fp32 master copy (0 without mixed precision)."""
+        """Bytes of the fp32 master copy in memory (0 without mixed precision, or while it
+        is swapped out to a file)."""
+        if self.master_swap is not None:
+            return self.master_swap.resident_bytes
         return 0 if self.master is None else self.master.numel() * self.master.element_size()
+
+    @property
+    def param_swap(self) -> SwappedTensor | None:
+        """Stage 3 with NVMe parameter offload: the swapped shard of this unit, if any."""
+        return self.buffer.swap if isinstance(self.buffer, PartitionedParams) else None
+
+    @contextlib.contextmanager
+    def resident(self, write_back: bool) -> Iterator[None]:
+        """Keep swapped-out master and parameter shard in memory for the duration (for
+        checkpoints and ``release``); ``write_back``: store them in their files afterwards."""
+        swapped = [s for s in (self.master_swap, self.param_swap) if s is not None]
+        was = [s.resident for s in swapped]
+        for s in swapped:
+            s.materialize()
+        try:
+            yield
+        finally:
+            for s, resident in zip(swapped, was, strict=True):
+                if write_back:
+                    s.write_back()
+                if not resident:
+                    s.drop()
 
     def bind_optimizer_grads(self) -> None:
         """Point each piece's ``.grad`` at its part of :attr:`grad_shard` (an optimizer's
@@ -294,10 +338,12 @@ class ShardedUnit:
 
     def publish(self) -> None:
         """After an optimizer step: round the updated fp32 master into this rank's range of
-        the parameters (before ``gather`` spreads it)."""
-        if self.master is None:
+        the parameters (before ``gather`` spreads it). A swapped-out master was published
+        chunk by chunk by the offloaded step."""
+        if self.master is None or self.master_swap is not None:
             return
-        self.buffer.owned_slice(*self.master_range).copy_(self.master)
+        with self.resident(write_back=True) if self.param_swap is not None else _nothing():
+            self.buffer.owned_slice(*self.master_range).copy_(self.master)
 
     def adopt_outside_changes(self) -> torch.Tensor | None:
         """Before an optimizer step: where this rank's range of the parameters no longer
@@ -316,14 +362,22 @@ class ShardedUnit:
             if self.master is None:
                 return None  # the optimizer steps the parameters themselves
             self.buffer.readopt()
+            if self.master_swap is not None and not self.master_swap.resident:
+                return None  # compared chunk by chunk by the offloaded step
             visible = self.buffer.owned_slice(*self.master_range)
-            return _take_changes(self.master, visible)
+            return take_changes(self.master, visible)
         if not self.buffer.gathered:
             return None
         lo, hi = self.owned
-        changed = _take_changes(self.buffer.shard, self.buffer.full[lo:hi])
+        changed = take_changes(self.buffer.shard, self.buffer.full[lo:hi])
+        if self.param_swap is not None:
+            self.param_swap.write_back()
         if self.master is not None:
-            changed += _take_changes(self.master, self.buffer.owned_slice(*self.master_range))
+            # Gathered units are few (persistent ones, GatheredParameters): swapping their
+            # master in for the comparison is cheap.
+            with self.resident(write_back=True) if self.master_swap is not None else _nothing():
+                visible = self.buffer.owned_slice(*self.master_range)
+                changed += take_changes(self.master, visible)
         return changed
 
     def release(self) -> None:
@@ -333,12 +387,15 @@ class ShardedUnit:
         if self.master is None:
             self.buffer.release()
             return
+        with self.resident(write_back=False):
+            self._release_master()
+
+    def _release_master(self) -> None:
+        assert self.master is not None
         self.adopt_outside_changes()  # what the user wrote since the last step counts
         lo, hi = self.owned
         mlo, mhi = self.master_range
-        full = torch.zeros(
-            self.buffer.layout.padded_numel, dtype=torch.float32, device=self.master.device
-        )
+        full = torch.zeros(self.buffer.layout.padded_numel, dtype=torch.float32, device=self.device)
         full[lo:hi].copy_(self.buffer.owned_slice(lo, hi))  # frozen parameters: as held
         full[mlo:mhi].copy_(self.master)
         if self.zero.shard_optimizer:
@@ -377,7 +434,12 @@ class ShardedUnit:
 _COMPARE_CHUNK = 1 << 22  # elements compared at once: bounds the temporaries
 
 
-def _take_changes(stored: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def take_changes(stored: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Copy into ``stored`` the elements of ``visible`` that differ from ``stored`` rounded
     to ``visible``'s dtype; returns their count (0-d tensor on ``stored``'s device).
 
@@ -390,7 +452,7 @@ def _take_changes(stored: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         for lo in range(0, stored.numel(), _COMPARE_CHUNK):
             mine = stored[lo : lo + _COMPARE_CHUNK]
-            seen = visible[lo : lo + _COMPARE_CHUNK]
+            seen = visible[lo : lo + _COMPARE_CHUNK].to(mine.device)
             expected = mine if mine.dtype == seen.dtype else mine.to(seen.dtype)
             differ = (seen != expected) & ~(seen.isnan() & expected.isnan())
             if on_cpu:

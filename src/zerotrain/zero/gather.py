@@ -106,6 +106,9 @@ class ParamGatherer:
         self.on_backward_done: Callable[[int], None] | None = None
         self.live_bytes = 0
         self.peak_bytes = 0
+        # NVMe parameter offload: shards of this many units beyond the prefetched ones are
+        # read back from their swap files ahead of need (0: no offload).
+        self.read_ahead = 0
         self._hooks: list[RemovableHandle] = []
         root_unit = next((u for u, m in enumerate(modules) if m is root), None)
         for u, module in enumerate(modules):
@@ -197,6 +200,7 @@ class ParamGatherer:
         """Release every non-persistent unit (end of backward, or after an error)."""
         for u in range(len(self.units)):
             self.free(u)
+            self._storage[u].drop_shard()  # read ahead for a use that did not come
 
     def _prefetch(self, candidates: Iterator[int]) -> None:
         """Gather the units that come next until ``prefetch_numel`` elements ahead are
@@ -208,14 +212,18 @@ class ParamGatherer:
                 continue
             numel = storage.layout.padded_numel
             if budget < numel:
-                return
+                storage.prefetch_shard()
+                break
             budget -= numel
             if storage.gathered:
                 continue
             live_numel = self.live_bytes // storage.shard.element_size()
             if live_numel + numel > self.policy.max_live_numel:
-                return
+                storage.prefetch_shard()
+                break
             self._issue(v)
+        for _, v in zip(range(self.read_ahead - 1), candidates, strict=False):
+            self._storage[v].prefetch_shard()
 
     def _after_in_trace(self, u: int, step: int) -> Iterator[int]:
         if u not in self._trace:

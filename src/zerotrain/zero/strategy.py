@@ -23,6 +23,7 @@ from torch import nn
 
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
+from zerotrain.offload.manager import Offload
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -73,8 +74,10 @@ class ZeroStrategy:
         reduce: GradReducePolicy,
         stage3: Stage3Options | None = None,
         precision: PrecisionPolicy | None = None,
+        offload: Offload | None = None,
     ) -> None:
         self.comm = comm
+        self.offload = offload
         self.zero = zero
         self.precision = precision or PrecisionPolicy()
         self.num_params = num_params
@@ -83,6 +86,11 @@ class ZeroStrategy:
             # only competes with it; waiting for each as it is launched is faster there.
             reduce = dataclasses.replace(reduce, overlap=comm.device.type == "cuda")
         self.gatherer: ParamGatherer | None = None
+        on_built = None
+        host_master = offload is not None and offload.policy.optimizer != "none"
+        if offload is not None:
+            self._reserve_offload(offload, trainable, stage3)
+            on_built = offload.adopt
         if zero.shard_parameters:
             invariant(stage3 is not None, "stage 3 needs the model")
             assert stage3 is not None
@@ -95,11 +103,22 @@ class ZeroStrategy:
                 reduce,
                 stage3.values,
                 self.precision,
+                on_built,
+                host_master,
             )
             self.gatherer = ParamGatherer(self.units, modules, stage3.model, comm, stage3.policy)
+            if offload is not None and offload.swap_params:
+                self.gatherer.read_ahead = offload.policy.param_buffer_count - 1
         else:
             self.units, self.pools = build_units(
-                trainable, bucket_numel, comm, zero, reduce, self.precision
+                trainable,
+                bucket_numel,
+                comm,
+                zero,
+                reduce,
+                self.precision,
+                on_built,
+                host_master,
             )
         self.sync = GradientSynchronizer(
             self.units,
@@ -117,6 +136,7 @@ class ZeroStrategy:
         # engine reports (reading them syncs a GPU).
         self._outside_changes: dict[int, torch.Tensor] = {}
         self._told_changed: set[int] = set()
+        self._told_unused_swapped = False
         self._trainable_ids = torch.tensor(
             [
                 pid
@@ -127,6 +147,21 @@ class ZeroStrategy:
             dtype=torch.long,
             device=comm.device,
         )
+
+    def _reserve_offload(
+        self, offload: Offload, trainable: Sequence[TrainableParam], stage3: Stage3Options | None
+    ) -> None:
+        """Check space for and open the swap files before any unit is built."""
+        world = self.comm.world_size
+        trainable_numel = sum(t.param.numel() for t in trainable)
+        every = trainable_numel
+        itemsize = 4
+        if stage3 is not None:
+            params = list(stage3.model.parameters())
+            every = sum(p.numel() for p in params)
+            dtype = self.precision.compute or (params[0].dtype if params else torch.float32)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+        offload.reserve(-(-every // world), -(-trainable_numel // world), self.precision, itemsize)
 
     # -- backward -------------------------------------------------------------------------------
 
@@ -295,6 +330,23 @@ class ZeroStrategy:
             else:
                 optimizer.state.pop(param, None)
 
+    @contextlib.contextmanager
+    def _stepped_anyway(self, unused: list[tuple[ShardedUnit, int]]) -> Iterator[None]:
+        """NVMe offload streams states through the step instead of holding them, so
+        parameters without a gradient are stepped with a zero one (said once)."""
+        if unused and not self._told_unused_swapped:
+            self._told_unused_swapped = True
+            names = ", ".join(unit.buffer.layout.params[i].fqn for unit, i in unused[:5])
+            log.warning(
+                "%d parameter(s) got no gradient in this step (%s%s); with NVMe offload they "
+                "are stepped with a zero gradient (moments decay, weight decay applies), "
+                "unlike plain PyTorch, which skips them (said once)",
+                len(unused),
+                names,
+                ", ..." if len(unused) > 5 else "",
+            )
+        yield
+
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer | None, steps_model_params: bool
     ) -> None:
@@ -314,7 +366,10 @@ class ZeroStrategy:
                 optimizer.step()
             else:
                 self._bind_optimizer_grads()
-                with torch.no_grad(), self._untouched(unused, optimizer):
+                untouched = self._untouched(unused, optimizer)
+                if getattr(optimizer, "swaps_states", False):
+                    untouched = self._stepped_anyway(unused)
+                with torch.no_grad(), untouched:
                     optimizer.step()
         handles = []
         for unit in self.units:
@@ -335,6 +390,13 @@ class ZeroStrategy:
                 self._outside_changes[unit.index] = changed + self._outside_changes.get(
                     unit.index, 0
                 )
+
+    def resident(self, write_back: bool) -> contextlib.AbstractContextManager[None]:
+        """Everything offloaded to files in memory for the duration (checkpoints);
+        ``write_back``: store the values there afterwards in the files."""
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return self.offload.resident(self.units, write_back)
 
     def report_outside_changes(self) -> None:
         """Log (once per unit) units whose parameters were changed outside the optimizer
@@ -430,3 +492,5 @@ class ZeroStrategy:
                     self.gatherer.fetch(u)
         for unit in self.units:
             unit.release()
+        if self.offload is not None:
+            self.offload.close()

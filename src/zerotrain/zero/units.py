@@ -76,9 +76,12 @@ def build_units(
     zero: ZeroPolicy,
     reduce: GradReducePolicy,
     precision: PrecisionPolicy | None = None,
+    on_built: Callable[[ShardedUnit], None] | None = None,
+    master_on_host: bool = False,
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
     """Pack ``trainable`` into units, returned in the order their gradients are reduced,
-    with the staging pools they share (stage 2; one per dtype)."""
+    with the staging pools they share (stage 2; one per dtype). ``on_built`` sees each unit
+    as soon as it exists (offload moves its states out before the next is built)."""
     precision = precision or PrecisionPolicy()
     by_dtype: dict[tuple[torch.dtype, torch.device], list[TrainableParam]] = {}
     for entry in trainable:
@@ -112,8 +115,9 @@ def build_units(
             key = (precision.resolve(p.dtype)[2], p.device)
             size = max(layout.padded_numel, pools[key].numel if key in pools else 0)
             pools[key] = StagingPool(size, key[0], p.device, count=2 if reduce.overlap else 1)
-    units = [
-        ShardedUnit(
+    units = []
+    for index, (bucket, layout) in enumerate(zip(buckets, layouts, strict=True)):
+        unit = ShardedUnit(
             index,
             layout,
             [e.param for e in bucket],
@@ -124,9 +128,11 @@ def build_units(
             reduce,
             pools.get((precision.resolve(bucket[0].param.dtype)[2], bucket[0].param.device)),
             precision=precision,
+            master_on_host=master_on_host,
         )
-        for index, (bucket, layout) in enumerate(zip(buckets, layouts, strict=True))
-    ]
+        if on_built is not None:
+            on_built(unit)
+        units.append(unit)
     return units, list(pools.values())
 
 
@@ -139,6 +145,8 @@ def build_module_units(
     reduce: GradReducePolicy,
     values: ValueLookup | None = None,
     precision: PrecisionPolicy | None = None,
+    on_built: Callable[[ShardedUnit], None] | None = None,
+    master_on_host: bool = False,
 ) -> tuple[list[ShardedUnit], list[StagingPool], list[nn.Module]]:
     """Stage 3: one unit per block of the model plus the root unit (see
     ``zero/module_units.py``), returned in the order their gradients are reduced (the last
@@ -196,8 +204,11 @@ def build_module_units(
                 label=planned_unit.label,
                 values=source,
                 precision=precision,
+                master_on_host=master_on_host,
             )
         )
+        if on_built is not None:
+            on_built(units[-1])
     return units, list(pools.values()), [p.module for p, _, _ in layouts]
 
 

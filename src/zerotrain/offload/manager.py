@@ -1,0 +1,257 @@
+"""What ``offload_optimizer`` and ``offload_param`` change, in one place.
+
+``Offload`` is created before the units are built. It checks every ``nvme_path`` up front
+(exists, writable, enough free space for what all ranks on this machine will write there),
+moves each unit's fp32 master and stage-3 parameter shard into swap files as the unit is
+built (so that building a large model never holds more than one unit's values), builds the
+offloaded optimizer over the units' pieces, reports where memory is, and removes its files
+on ``close()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotrain.comm.collectives import Communicator
+from zerotrain.config.policies import OffloadPolicy, PrecisionPolicy
+from zerotrain.offload.aio import AsyncFileIO
+from zerotrain.offload.optimizer import OffloadedAdam, Operand, PieceOperands
+from zerotrain.offload.swap import SwapDirectory, SwapError, SwapFile, check_nvme_path
+from zerotrain.offload.swapped import SwappedTensor
+from zerotrain.optim.factory import FlatGroup
+from zerotrain.shard.partitioned import PartitionedParams
+from zerotrain.shard.unit import ShardedUnit
+from zerotrain.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+_OPTIMIZER_PATH = "zero_optimization.offload_optimizer.nvme_path"
+_PARAM_PATH = "zero_optimization.offload_param.nvme_path"
+_SLACK_BYTES = 64 << 20  # alignment of regions, padding of units
+
+
+class Offload:
+    """Swap files and the offloaded optimizer of one rank.
+
+    Args:
+        policy: what is offloaded where.
+        comm: collectives over the data-parallel group (the space check is collective).
+        shard_parameters: stage 3 (parameter offload applies only there).
+        persistence_threshold: stage-3 units smaller than this stay gathered (never swapped).
+    """
+
+    def __init__(
+        self,
+        policy: OffloadPolicy,
+        comm: Communicator,
+        shard_parameters: bool,
+        persistence_threshold: int,
+    ) -> None:
+        self.policy = policy
+        self.comm = comm
+        self.swap_params = shard_parameters and policy.param == "nvme"
+        self.swap_optimizer = policy.optimizer == "nvme"
+        self.persistence_threshold = persistence_threshold
+        self.io: AsyncFileIO | None = None
+        self._dirs: dict[Path, SwapDirectory] = {}
+        self.optimizer_file: SwapFile | None = None
+        self.param_file: SwapFile | None = None
+        self._kept_in_cpu = 0  # parameter elements kept resident under max_in_cpu
+        self.optimizer: OffloadedAdam | None = None
+        if policy.param != "none" and not shard_parameters:
+            log.info("offload_param acts only at stage 3; parameters stay where they are")
+        if comm.device.type == "cpu" and "cpu" in (policy.optimizer, policy.param):
+            log.info(
+                "offload to cpu on a CPU-only run: states already live in host memory; the "
+                "optimizer step runs chunk by chunk"
+            )
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def reserve(
+        self,
+        owned_numel: int,
+        trainable_owned_numel: int,
+        precision: PrecisionPolicy,
+        compute_itemsize: int,
+    ) -> None:
+        """Check the NVMe paths and open the swap files (collective).
+
+        ``owned_numel``: parameter elements this rank keeps (stage 3: its shards);
+        ``trainable_owned_numel``: of them, those the optimizer steps.
+        """
+        needs: dict[Path, int] = {}
+        keys: dict[Path, str] = {}
+        if self.swap_optimizer:
+            per_element = 8 + (4 if precision.master_weights else 0)
+            root = self._root(self.policy.optimizer_nvme_path, _OPTIMIZER_PATH)
+            needs[root] = needs.get(root, 0) + trainable_owned_numel * per_element
+            keys[root] = _OPTIMIZER_PATH
+        if self.swap_params:
+            root = self._root(self.policy.param_nvme_path, _PARAM_PATH)
+            needs[root] = needs.get(root, 0) + owned_numel * compute_itemsize
+            keys.setdefault(root, _PARAM_PATH)
+        self._check_space(needs, keys)
+        if not needs:
+            return
+        self.io = AsyncFileIO(self.policy.io_threads, self.policy.io_block_bytes)
+        for root in needs:
+            self._dirs[root] = SwapDirectory(root, self.comm.rank, self.io)
+        if self.swap_optimizer:
+            root = self._root(self.policy.optimizer_nvme_path, _OPTIMIZER_PATH)
+            self.optimizer_file = self._dirs[root].file("optimizer")
+        if self.swap_params:
+            root = self._root(self.policy.param_nvme_path, _PARAM_PATH)
+            self.param_file = self._dirs[root].file("params")
+        log.info(
+            "NVMe offload: swap files under %s",
+            ", ".join(str(d.path) for d in self._dirs.values()),
+        )
+
+    @staticmethod
+    def _root(path: str | None, what: str) -> Path:
+        if path is None:
+            raise SwapError(f"{what} is not set")
+        return Path(path).expanduser().resolve()
+
+    def _check_space(self, needs: dict[Path, int], what: dict[Path, str]) -> None:
+        """Every rank checks its paths against what all ranks sharing the filesystem need;
+        if any rank's check fails, every rank raises (none is left waiting)."""
+        problem = ""
+        world = self.comm.world_size
+        # One sum-reduction of one-hot rows is an all-gather of (filesystem key, bytes).
+        keys = sorted(needs)
+        table = torch.zeros(2 * world * max(1, len(keys)), dtype=torch.float64)
+        device_keys: list[float] = []
+        for k, root in enumerate(keys):
+            key = self._filesystem_key(root)
+            device_keys.append(key)
+            row = 2 * (k * world + self.comm.rank)
+            table[row], table[row + 1] = key, float(needs[root])
+        totals = self.comm.all_reduce_floats(table.tolist())
+        for k, root in enumerate(keys):
+            rows = [
+                (totals[2 * (k * world + r)], totals[2 * (k * world + r) + 1]) for r in range(world)
+            ]
+            shared = sum(need for key, need in rows if key == device_keys[k])
+            try:
+                check_nvme_path(root, int(shared) + _SLACK_BYTES, what[root])
+            except SwapError as error:
+                problem = str(error)
+                break
+        failed = self.comm.all_reduce_floats([1.0 if problem else 0.0], op="max")[0]
+        if problem:
+            raise SwapError(problem)
+        if failed:
+            raise SwapError("another rank found its offload nvme_path unusable (see its error)")
+
+    @staticmethod
+    def _filesystem_key(root: Path) -> float:
+        """Equal on ranks whose ``root`` is on the same filesystem of the same machine."""
+        device = os.stat(root).st_dev if root.exists() else -1
+        text = f"{socket.gethostname()}:{device}".encode()
+        return float(zlib.crc32(text) + 1)
+
+    def adopt(self, unit: ShardedUnit) -> None:
+        """Move a freshly built unit's master and parameter shard into the swap files."""
+        if self.optimizer_file is not None and unit.master is not None and unit.master.numel():
+            region = self.optimizer_file.allocate(unit.master.numel(), torch.float32)
+            unit.master_swap = SwappedTensor(unit.master, region)
+        buffer = unit.buffer
+        if self.param_file is None or not isinstance(buffer, PartitionedParams):
+            return
+        if unit.numel < self.persistence_threshold or buffer.shard.numel() == 0:
+            return  # stays gathered for the whole run
+        if self._kept_in_cpu + buffer.shard.numel() <= self.policy.max_in_cpu:
+            self._kept_in_cpu += buffer.shard.numel()
+            return
+        region = self.param_file.allocate(buffer.shard.numel(), buffer.shard.dtype)
+        buffer.swap = SwappedTensor(buffer.shard, region)
+
+    # -- optimizer ------------------------------------------------------------------------------
+
+    def build_optimizer(
+        self, hyper: dict[str, Any], groups: Sequence[FlatGroup], units: Sequence[ShardedUnit]
+    ) -> OffloadedAdam:
+        """The offloaded Adam over ``groups`` (flat groups of the units' pieces)."""
+        operands: dict[int, PieceOperands] = {}
+        for unit in units:
+            for piece in unit.pieces:
+                operands[id(piece.param)] = _piece_operands(unit, piece.start, piece.param)
+        params = []
+        for group in groups:
+            for tensor in group.tensors:
+                operands.setdefault(id(tensor), PieceOperands(Operand(tensor=tensor)))
+            params.append({"params": group.tensors, **group.options})
+        self.optimizer = OffloadedAdam(
+            params,
+            operands,
+            self.optimizer_file,
+            buffer_count=self.policy.optimizer_buffer_count,
+            chunk_numel=self.policy.chunk_numel,
+            pin_memory=self.policy.pin_memory,
+            **hyper,
+        )
+        return self.optimizer
+
+    # -- reporting and shutdown -----------------------------------------------------------------
+
+    def nvme_bytes(self) -> int:
+        """Bytes allocated in this rank's swap files."""
+        return sum(d.disk_bytes for d in self._dirs.values())
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the offloaded step's chunk buffers."""
+        return 0 if self.optimizer is None else self.optimizer.buffer_bytes
+
+    def io_seconds(self) -> float:
+        """Seconds the training loop waited for the disk so far."""
+        return 0.0 if self.optimizer is None else self.optimizer.io_wait_seconds
+
+    @contextlib.contextmanager
+    def resident(self, units: Sequence[ShardedUnit], write_back: bool) -> Iterator[None]:
+        """Everything swapped out in memory for the duration (checkpoints)."""
+        with contextlib.ExitStack() as stack:
+            for unit in units:
+                stack.enter_context(unit.resident(write_back))
+            if self.optimizer is not None:
+                stack.enter_context(self.optimizer.resident_states(write_back))
+            yield
+
+    def close(self) -> None:
+        """Remove the swap files (idempotent)."""
+        for directory in self._dirs.values():
+            directory.close()
+        self._dirs.clear()
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+
+
+def _piece_operands(unit: ShardedUnit, start: int, param: torch.Tensor) -> PieceOperands:
+    """Where the weights (and, for a swapped master, the copy to publish) of the piece at
+    ``start`` of ``unit``'s flat buffer live."""
+    n = param.numel()
+    shard_swap = unit.param_swap
+    lo = unit.owned[0]
+    shard_op = (
+        Operand(region=shard_swap.region, start=start - lo, cache=shard_swap)
+        if shard_swap is not None
+        else Operand(tensor=unit.buffer.owned_slice(start, start + n))
+    )
+    if unit.master is None:
+        return PieceOperands(weights=shard_op)
+    if unit.master_swap is None:
+        return PieceOperands(weights=Operand(tensor=param))  # unit.publish() rounds it
+    mlo = unit.master_range[0]
+    master = unit.master_swap
+    weights = Operand(region=master.region, start=start - mlo, cache=master)
+    return PieceOperands(weights=weights, publish=shard_op)
