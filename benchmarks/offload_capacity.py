@@ -70,8 +70,14 @@ def _zero_config(nvme_path: str | None) -> dict[str, Any]:
         "reduce_bucket_size": 1,
     }
     if nvme_path:
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0}
+        # Few buffers: resident memory is what is measured.
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3}
+        zero["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": nvme_path,
+            "max_in_cpu": 0,
+            "buffer_count": 3,
+        }
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -104,7 +110,7 @@ def _worker(args: argparse.Namespace) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return float(loss)
+            return float(loss.detach())
 
     elif system.startswith("zerotrain"):
         import zerotrain
@@ -119,7 +125,7 @@ def _worker(args: argparse.Namespace) -> None:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            return float(loss)
+            return float(loss.detach())
 
     else:
         import deepspeed
@@ -138,19 +144,20 @@ def _worker(args: argparse.Namespace) -> None:
             loss = ds_engine(x, y)
             ds_engine.backward(loss)
             ds_engine.step()
-            return float(loss)
+            return float(loss.detach())
 
     built = time.perf_counter() - built
-    times, losses = [], []
+    times, losses, rss = [], [], []
     for step in range(args.steps):
         started = time.perf_counter()
         x, y = _batch(step)
         losses.append(train_step(x, y))
         times.append(time.perf_counter() - started)
+        rss.append(_rss([os.getpid()]))  # resident memory after each step: flat or growing
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(args.out).write_text(
         json.dumps(
-            {"losses": losses, "times": times, "build_s": built, "peak_rss": peak},
+            {"losses": losses, "times": times, "build_s": built, "peak_rss": peak, "rss": rss},
         )
     )
     if system.startswith("zerotrain"):
@@ -265,6 +272,7 @@ def attempt(system: str, layers: int, args: argparse.Namespace) -> dict[str, Any
                 step_s=results[0]["times"][1:] or results[0]["times"],
                 build_s=results[0]["build_s"],
                 losses=losses,
+                rss_after_step=[sum(s) for s in zip(*(r["rss"] for r in results), strict=True)],
             )
             return record
         verdict = f"non-finite losses {losses}"

@@ -5,8 +5,9 @@ Offload (``offload_optimizer`` / ``offload_param``) follows the ZeRO-Offload and
 ZeRO-Infinity accounting: the optimizer step moves to the host with the fp32 master
 weights, the moments and the fp32 gradient partition it reads; stage 3 can also keep the
 parameter partitions there, so the accelerator holds only the gathered working set and
-gradient staging. zerotrain does not implement offload yet: those columns are predictions,
-not checked against the engine.
+gradient staging. These columns follow the papers, not yet zerotrain's own offload, which
+keeps the fp32 gradient shards where training runs (docs/offload.md): they are predictions,
+not checked against ``memory_breakdown()``.
 """
 
 from __future__ import annotations
