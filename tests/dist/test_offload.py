@@ -38,7 +38,7 @@ def _spec(stage: int, offload: dict | None, steps: int = 6, bf16: bool = False) 
     zero = {"stage": stage, "reduce_bucket_size": 4000}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    extra: dict = {"zero_optimization": {**zero, **(offload or {})}}
+    extra: dict = {"zero_optimization": {**zero, **(offload or {})}, "wall_clock_breakdown": True}
     if bf16:
         extra["bf16"] = {"enabled": True}
     return RunSpec(
@@ -68,6 +68,7 @@ def _train(spec: RunSpec, chunk_numel: int | None = None) -> dict:
         "nvme": breakdown.nvme,
         "breakdown": breakdown.as_dict(),
         "swap_dirs": swap_dirs,
+        "offload_io": engine.telemetry.wall_clock.seconds["offload_io"],
         "left": [d for d in swap_dirs if os.path.exists(d)],
     }
 
@@ -95,6 +96,7 @@ def test_offloaded_optimizer_trains_exactly_like_resident_states(stage, tmp_path
         assert result["losses"] == base["losses"], name  # bitwise, in fact
         if "nvme" in name or "param" in name:
             assert result["nvme"] > 0, name
+            assert result["offload_io"] > 0, name  # disk waits shown in the breakdown
             assert result["swap_dirs"], name
             assert not result["left"], name
     assert not list(Path(path).iterdir())  # every swap file removed

@@ -189,8 +189,14 @@ class Engine(nn.Module):
         batch = self.policy.batch
         self.global_samples += batch.micro_batch_size * batch.dp_world_size
         if self.is_gradient_accumulation_boundary():
+            offload = self.strategy.offload
+            io_before = offload.io_seconds() if offload is not None else 0.0
             with self.telemetry.phase("step"):
                 self._update()
+            if offload is not None:
+                self.telemetry.wall_clock.move(
+                    "step", "offload_io", offload.io_seconds() - io_before
+                )
             self.global_steps += 1
             step_losses = self.window_losses[-batch.gradient_accumulation_steps :]
             self.telemetry.after_step(self, step_losses)

@@ -59,6 +59,13 @@ class WallClock:
             synchronize(self._device)
             self.seconds[name] += time.perf_counter() - start
 
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Count ``seconds`` of phase ``source`` as ``target`` instead (time the offloaded
+        step spent waiting for the disk is offload_io, not step)."""
+        if self.enabled and seconds > 0:
+            self.seconds[source] -= seconds
+            self.seconds[target] += seconds
+
     def per_step_ms(self, steps: int) -> dict[str, float]:
         """Milliseconds per optimizer step in each phase over ``steps`` steps."""
         return {name: 1000.0 * s / max(steps, 1) for name, s in self.seconds.items()}
