@@ -162,3 +162,28 @@ def test_checkpoint_round_trip_with_nvme_offload(tmp_path, bf16):
     spec = _spec(3, _offload("nvme", "nvme", str(swap)), bf16=bf16)
     result = run_distributed(_resume, 2, spec, str(tmp_path / "ckpt"))[0]
     assert result["resumed"] == result["after"]
+
+
+def _train_with_clamp(spec: RunSpec) -> list[float]:
+    """Two steps, then every parameter clamped in place outside the optimizer, two more."""
+    model = make_model(spec)
+    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, 2))
+    losses = train_steps(engine, spec, 0, 2)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.clamp_(-0.02, 0.02)
+    losses += train_steps(engine, spec, 2, 4)
+    engine.destroy()
+    return losses
+
+
+def test_changes_outside_the_optimizer_reach_a_swapped_master(tmp_path):
+    """bf16 stage 2: the fp32 master lives in a file, the visible bf16 parameters are
+    clamped between steps; the offloaded step takes the clamp into the master exactly as
+    the resident step does (without that, publishing would undo the clamp)."""
+    base = run_distributed(_train_with_clamp, 2, _spec(2, None, bf16=True))[0]
+    section = _offload("nvme", "none", str(tmp_path))
+    offloaded = run_distributed(_train_with_clamp, 2, _spec(2, section, bf16=True))[0]
+    assert offloaded == base
+    unclamped = run_distributed(_train, 2, _spec(2, None, steps=4, bf16=True))[0]["losses"]
+    assert unclamped[2:] != base[2:]  # the clamp changed training

@@ -66,8 +66,6 @@ class Offload:
         self.param_file: SwapFile | None = None
         self._kept_in_cpu = 0  # parameter elements kept resident under max_in_cpu
         self.optimizer: OffloadedAdam | None = None
-        if policy.param != "none" and not shard_parameters:
-            log.info("offload_param acts only at stage 3; parameters stay where they are")
         if comm.device.type == "cpu" and "cpu" in (policy.optimizer, policy.param):
             log.info(
                 "offload to cpu on a CPU-only run: states already live in host memory; the "
@@ -88,29 +86,29 @@ class Offload:
         ``owned_numel``: parameter elements this rank keeps (stage 3: its shards);
         ``trainable_owned_numel``: of them, those the optimizer steps.
         """
-        needs: dict[Path, int] = {}
-        keys: dict[Path, str] = {}
+        # (swap file, its directory, the config key naming it, bytes it will hold)
+        wanted: list[tuple[str, Path, str, int]] = []
         if self.swap_optimizer:
             per_element = 8 + (4 if precision.master_weights else 0)
             root = self._root(self.policy.optimizer_nvme_path, _OPTIMIZER_PATH)
-            needs[root] = needs.get(root, 0) + trainable_owned_numel * per_element
-            keys[root] = _OPTIMIZER_PATH
+            wanted.append(("optimizer", root, _OPTIMIZER_PATH, trainable_owned_numel * per_element))
         if self.swap_params:
             root = self._root(self.policy.param_nvme_path, _PARAM_PATH)
-            needs[root] = needs.get(root, 0) + owned_numel * compute_itemsize
-            keys.setdefault(root, _PARAM_PATH)
+            wanted.append(("params", root, _PARAM_PATH, owned_numel * compute_itemsize))
+        needs: dict[Path, int] = {}
+        keys: dict[Path, str] = {}
+        for _, root, key, nbytes in wanted:
+            needs[root] = needs.get(root, 0) + nbytes
+            keys.setdefault(root, key)
         self._check_space(needs, keys)
-        if not needs:
+        if not wanted:
             return
         self.io = AsyncFileIO(self.policy.io_threads, self.policy.io_block_bytes)
         for root in needs:
             self._dirs[root] = SwapDirectory(root, self.comm.rank, self.io)
-        if self.swap_optimizer:
-            root = self._root(self.policy.optimizer_nvme_path, _OPTIMIZER_PATH)
-            self.optimizer_file = self._dirs[root].file("optimizer")
-        if self.swap_params:
-            root = self._root(self.policy.param_nvme_path, _PARAM_PATH)
-            self.param_file = self._dirs[root].file("params")
+        files = {name: self._dirs[root].file(name) for name, root, _, _ in wanted}
+        self.optimizer_file = files.get("optimizer")
+        self.param_file = files.get("params")
         log.info(
             "NVMe offload: swap files under %s",
             ", ".join(str(d.path) for d in self._dirs.values()),

@@ -27,6 +27,7 @@ from zerotrain.offload.aio import IOFuture
 from zerotrain.offload.swap import SwapFile, SwapRegion, aligned_empty
 from zerotrain.offload.swapped import SwappedTensor
 from zerotrain.optim.cpu_adam import CHUNK_ALIGN, AdamHyper, adam_step_
+from zerotrain.shard.unit import take_changes
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 
@@ -180,17 +181,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Bytes of the chunk buffers (the resident cost of streaming)."""
         return sum(s.nbytes for s in self._sets)
 
-    def moment_bytes(self) -> tuple[int, int]:
-        """Bytes of the moments (resident, in files)."""
-        resident = swapped = 0
-        for ops in self._operands.values():
-            for op in (ops.exp_avg, ops.exp_avg_sq):
-                if op.region is not None:
-                    swapped += op.region.nbytes
-                elif op.tensor is not None:
-                    resident += op.tensor.numel() * op.tensor.element_size()
-        return resident, swapped
-
     @contextlib.contextmanager
     def resident_states(self, write_back: bool) -> Iterator[None]:
         """Make swapped moments ordinary state tensors for the duration (checkpoints read
@@ -291,9 +281,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         being filled from the file."""
         lo, hi = chunk.lo, chunk.hi
         if not op.swapped:
-            source = op.cache.tensor if op.cache is not None else op.tensor
-            assert source is not None
-            return source[op.start + lo : op.start + hi] if op.cache is not None else source[lo:hi]
+            return self._resident(op)[lo:hi]
         view = buffers.get(name, hi - lo, dtype)
         assert op.region is not None
         chunk.reads.append(op.region.read(view, op.start + lo))
@@ -339,6 +327,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         if grad is not None and grad.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the staged copy has landed
         publish = views.get("publish")
+        if publish is not None and not chunk.ops.publish.swapped:  # type: ignore[union-attr]
+            # A swapped-out master cannot be compared before the step (unit.py leaves it to
+            # this loop): parameter values changed outside the optimizer since the last
+            # step (load_state_dict, a clamp) are taken into it here, chunk by chunk.
+            take_changes(views["weights"], publish)
         adam_step_(
             views["weights"],
             views["grad"],

@@ -342,7 +342,11 @@ class ShardedUnit:
         chunk by chunk by the offloaded step."""
         if self.master is None or self.master_swap is not None:
             return
-        with self.resident(write_back=True) if self.param_swap is not None else _nothing():
+        with (
+            self.resident(write_back=True)
+            if self.param_swap is not None
+            else contextlib.nullcontext()
+        ):
             self.buffer.owned_slice(*self.master_range).copy_(self.master)
 
     def adopt_outside_changes(self) -> torch.Tensor | None:
@@ -375,7 +379,11 @@ class ShardedUnit:
         if self.master is not None:
             # Gathered units are few (persistent ones, GatheredParameters): swapping their
             # master in for the comparison is cheap.
-            with self.resident(write_back=True) if self.master_swap is not None else _nothing():
+            with (
+                self.resident(write_back=True)
+                if self.master_swap is not None
+                else contextlib.nullcontext()
+            ):
                 visible = self.buffer.owned_slice(*self.master_range)
                 changed += take_changes(self.master, visible)
         return changed
@@ -432,11 +440,6 @@ class ShardedUnit:
 
 
 _COMPARE_CHUNK = 1 << 22  # elements compared at once: bounds the temporaries
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def take_changes(stored: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -366,9 +366,11 @@ class ZeroStrategy:
                 optimizer.step()
             else:
                 self._bind_optimizer_grads()
-                untouched = self._untouched(unused, optimizer)
-                if getattr(optimizer, "swaps_states", False):
-                    untouched = self._stepped_anyway(unused)
+                untouched = (
+                    self._stepped_anyway(unused)
+                    if getattr(optimizer, "swaps_states", False)
+                    else self._untouched(unused, optimizer)
+                )
                 with torch.no_grad(), untouched:
                     optimizer.step()
         handles = []
