@@ -34,13 +34,16 @@ def _offload(optimizer: str, param: str, path: str, **extra) -> dict:
     return {**section, **extra}
 
 
-def _spec(stage: int, offload: dict | None, steps: int = 6, bf16: bool = False) -> RunSpec:
+def _spec(
+    stage: int, offload: dict | None, steps: int = 6, bf16: bool = False, **top: dict
+) -> RunSpec:
     zero = {"stage": stage, "reduce_bucket_size": 4000}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
     extra: dict = {"zero_optimization": {**zero, **(offload or {})}, "wall_clock_breakdown": True}
     if bf16:
         extra["bf16"] = {"enabled": True}
+    extra.update(top)
     return RunSpec(
         model=DEMO_GPT,
         micro_batch=4,
@@ -65,6 +68,7 @@ def _train(spec: RunSpec, chunk_numel: int | None = None) -> dict:
     engine.destroy()
     return {
         **result,
+        "skipped": engine.skipped_steps,
         "nvme": breakdown.nvme,
         "breakdown": breakdown.as_dict(),
         "swap_dirs": swap_dirs,
@@ -99,6 +103,10 @@ def test_offloaded_optimizer_trains_exactly_like_resident_states(stage, tmp_path
             assert result["offload_io"] > 0, name  # disk waits shown in the breakdown
             assert result["swap_dirs"], name
             assert not result["left"], name
+        if name.startswith("nvme"):
+            # Gradient slices live in the swap file between reductions.
+            assert result["breakdown"]["grads"] == 0, name
+            assert base["breakdown"]["grads"] > 0
     assert not list(Path(path).iterdir())  # every swap file removed
 
 
@@ -187,3 +195,29 @@ def test_changes_outside_the_optimizer_reach_a_swapped_master(tmp_path):
     assert offloaded == base
     unclamped = run_distributed(_train, 2, _spec(2, None, steps=4, bf16=True))[0]["losses"]
     assert unclamped[2:] != base[2:]  # the clamp changed training
+
+
+@pytest.mark.parametrize(
+    "top",
+    [
+        # Loss scaling from 2**16 overflows in the first steps: the skips and the unscaling
+        # of streamed gradients must match the resident run.
+        {"fp16": {"enabled": True, "initial_scale_power": 16}},
+        # bf16 gradient slices are swapped in bf16 and widened chunk by chunk in the step.
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
+    ],
+    ids=["fp16-loss-scale", "bf16-accum"],
+)
+def test_swapped_gradient_slices_train_like_resident_ones(top, tmp_path):
+    """Stage 2, accumulation 2, clipping: with the gradient slices in the swap file (norm
+    taken as each is written, scale applied as the step reads it) the losses, skipped
+    steps and weights equal the resident run's."""
+    base = run_distributed(_train, 2, _spec(2, None, steps=8, **top))[0]
+    section = _offload("nvme", "none", str(tmp_path))
+    result = run_distributed(_train, 2, _spec(2, section, steps=8, **top), chunk_numel=4096)[0]
+    assert result["losses"] == base["losses"]
+    assert result["skipped"] == base["skipped"]
+    if "fp16" in top:
+        assert base["skipped"] > 0  # the overflow path ran
+    _same_training(base, result)
+    assert result["breakdown"]["grads"] == 0

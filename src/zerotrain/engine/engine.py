@@ -36,7 +36,7 @@ from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.estimate import MemoryEstimate
-from zerotrain.optim.clip import global_grad_norm, unscale_and_clip_
+from zerotrain.optim.clip import clip_coefficient
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
@@ -205,8 +205,7 @@ class Engine(nn.Module):
 
     def _update(self) -> None:
         """Clip, step and schedule on the reduced gradients, or skip on an overflow."""
-        grads = self.strategy.reduced_grads()
-        norm = global_grad_norm(grads, self.strategy.partial_norm_reducer())
+        norm = self.strategy.grad_norm()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # Kept as a tensor unless overflow is checked: converting it would force a device
         # sync every step.
@@ -217,7 +216,8 @@ class Engine(nn.Module):
             self.strategy.skip_step()
             self.skipped_steps += 1
         else:
-            self._grad_norm = unscale_and_clip_(grads, norm, 1.0 / scale, self.policy.clip_norm)
+            self._grad_norm, coef = clip_coefficient(norm, 1.0 / scale, self.policy.clip_norm)
+            self.strategy.scale_grads(coef)
             self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

@@ -204,6 +204,7 @@ def initialize(
             comm,
             zero.shard_parameters,
             policies.stage3.persistence_threshold,
+            shard_gradients=zero.shard_gradients,
         )
     strategy = ZeroStrategy(
         groups.trainable,

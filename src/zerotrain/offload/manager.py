@@ -2,10 +2,10 @@
 
 ``Offload`` is created before the units are built. It checks every ``nvme_path`` up front
 (exists, writable, enough free space for what all ranks on this machine will write there),
-moves each unit's fp32 master and stage-3 parameter shard into swap files as the unit is
-built (so that building a large model never holds more than one unit's values), builds the
-offloaded optimizer over the units' pieces, reports where memory is, and removes its files
-on ``close()``.
+moves each unit's fp32 master, stage-3 parameter shard and (stages 2-3) gradient slice into
+swap files as the unit is built (so that building a large model never holds more than one
+unit's values), builds the offloaded optimizer over the units' pieces, reports where memory
+is, and removes its files on ``close()``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from zerotrain.config.policies import OffloadPolicy, PrecisionPolicy
 from zerotrain.offload.aio import AsyncFileIO
 from zerotrain.offload.optimizer import OffloadedAdam, Operand, PieceOperands
 from zerotrain.offload.swap import SwapDirectory, SwapError, SwapFile, check_nvme_path
-from zerotrain.offload.swapped import SwappedTensor
+from zerotrain.offload.swapped import SwappedTensor, WriteBehind
 from zerotrain.optim.factory import FlatGroup
+from zerotrain.shard.grads import ShardedGradients
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.logging import get_logger
@@ -36,6 +37,9 @@ log = get_logger(__name__)
 _OPTIMIZER_PATH = "zero_optimization.offload_optimizer.nvme_path"
 _PARAM_PATH = "zero_optimization.offload_param.nvme_path"
 _SLACK_BYTES = 64 << 20  # alignment of regions, padding of units
+# Gradient slices written out behind the backward pass but not yet on disk: bounds the
+# memory of a slow disk to this many units' slices.
+_GRAD_WRITES_IN_FLIGHT = 2
 
 
 class Offload:
@@ -46,6 +50,8 @@ class Offload:
         comm: collectives over the data-parallel group (the space check is collective).
         shard_parameters: stage 3 (parameter offload applies only there).
         persistence_threshold: stage-3 units smaller than this stay gathered (never swapped).
+        shard_gradients: stages 2-3 keep only this rank's gradient slice, which NVMe
+            optimizer offload then swaps out too (stage 1 keeps whole gradients resident).
     """
 
     def __init__(
@@ -54,16 +60,20 @@ class Offload:
         comm: Communicator,
         shard_parameters: bool,
         persistence_threshold: int,
+        shard_gradients: bool = False,
     ) -> None:
         self.policy = policy
         self.comm = comm
         self.swap_params = shard_parameters and policy.param == "nvme"
         self.swap_optimizer = policy.optimizer == "nvme"
+        self.swap_grads = self.swap_optimizer and shard_gradients
         self.persistence_threshold = persistence_threshold
         self.io: AsyncFileIO | None = None
         self._dirs: dict[Path, SwapDirectory] = {}
         self.optimizer_file: SwapFile | None = None
         self.param_file: SwapFile | None = None
+        self.grad_file: SwapFile | None = None
+        self.grad_writes = WriteBehind(_GRAD_WRITES_IN_FLIGHT)
         self._kept_in_cpu = 0  # parameter elements kept resident under max_in_cpu
         self.optimizer: OffloadedAdam | None = None
         if comm.device.type == "cpu" and "cpu" in (policy.optimizer, policy.param):
@@ -80,11 +90,13 @@ class Offload:
         trainable_owned_numel: int,
         precision: PrecisionPolicy,
         compute_itemsize: int,
+        grad_bytes: int = 0,
     ) -> None:
         """Check the NVMe paths and open the swap files (collective).
 
         ``owned_numel``: parameter elements this rank keeps (stage 3: its shards);
-        ``trainable_owned_numel``: of them, those the optimizer steps.
+        ``trainable_owned_numel``: of them, those the optimizer steps; ``grad_bytes``: of
+        this rank's gradient slices (swapped at stages 2-3).
         """
         # (swap file, its directory, the config key naming it, bytes it will hold)
         wanted: list[tuple[str, Path, str, int]] = []
@@ -92,6 +104,8 @@ class Offload:
             per_element = 8 + (4 if precision.master_weights else 0)
             root = self._root(self.policy.optimizer_nvme_path, _OPTIMIZER_PATH)
             wanted.append(("optimizer", root, _OPTIMIZER_PATH, trainable_owned_numel * per_element))
+            if self.swap_grads:
+                wanted.append(("grads", root, _OPTIMIZER_PATH, grad_bytes))
         if self.swap_params:
             root = self._root(self.policy.param_nvme_path, _PARAM_PATH)
             wanted.append(("params", root, _PARAM_PATH, owned_numel * compute_itemsize))
@@ -109,6 +123,7 @@ class Offload:
         files = {name: self._dirs[root].file(name) for name, root, _, _ in wanted}
         self.optimizer_file = files.get("optimizer")
         self.param_file = files.get("params")
+        self.grad_file = files.get("grads")
         log.info(
             "NVMe offload: swap files under %s",
             ", ".join(str(d.path) for d in self._dirs.values()),
@@ -163,6 +178,8 @@ class Offload:
         if self.optimizer_file is not None and unit.master is not None and unit.master.numel():
             region = self.optimizer_file.allocate(unit.master.numel(), torch.float32)
             unit.master_swap = SwappedTensor(unit.master, region)
+        if isinstance(unit.grads, ShardedGradients):
+            self._adopt_grads(unit.grads)
         buffer = unit.buffer
         if self.param_file is None or not isinstance(buffer, PartitionedParams):
             return
@@ -173,6 +190,13 @@ class Offload:
             return
         region = self.param_file.allocate(buffer.shard.numel(), buffer.shard.dtype)
         buffer.swap = SwappedTensor(buffer.shard, region)
+
+    def _adopt_grads(self, grads: ShardedGradients) -> None:
+        if self.grad_file is None or grads.shard.numel() == 0:
+            return
+        region = self.grad_file.allocate(grads.shard.numel(), grads.shard.dtype)
+        # Zeros need no writing: a fresh region reads back as zeros.
+        grads.swap_to(SwappedTensor(grads.shard, region, store=False), self.grad_writes)
 
     # -- optimizer ------------------------------------------------------------------------------
 
@@ -202,6 +226,10 @@ class Offload:
 
     # -- reporting and shutdown -----------------------------------------------------------------
 
+    def settle(self) -> None:
+        """Finish writing gradient slices (before the step reads them)."""
+        self.grad_writes.flush()
+
     def nvme_bytes(self) -> int:
         """Bytes allocated in this rank's swap files."""
         return sum(d.disk_bytes for d in self._dirs.values())
@@ -226,6 +254,7 @@ class Offload:
 
     def close(self) -> None:
         """Remove the swap files (idempotent)."""
+        self.grad_writes.flush()
         for directory in self._dirs.values():
             directory.close()
         self._dirs.clear()
@@ -245,11 +274,17 @@ def _piece_operands(unit: ShardedUnit, start: int, param: torch.Tensor) -> Piece
         if shard_swap is not None
         else Operand(tensor=unit.buffer.owned_slice(start, start + n))
     )
+    grad = None
+    grads = unit.grads
+    if isinstance(grads, ShardedGradients) and grads.swap is not None:
+        # Never cached: the step runs after every slice was written out and dropped.
+        grad = Operand(region=grads.swap.region, start=start - lo)
     if unit.master is None:
-        return PieceOperands(weights=shard_op)
+        return PieceOperands(weights=shard_op, grad=grad)
     if unit.master_swap is None:
-        return PieceOperands(weights=Operand(tensor=param))  # unit.publish() rounds it
+        # unit.publish() rounds it
+        return PieceOperands(weights=Operand(tensor=param), grad=grad)
     mlo = unit.master_range[0]
     master = unit.master_swap
     weights = Operand(region=master.region, start=start - mlo, cache=master)
-    return PieceOperands(weights=weights, publish=shard_op)
+    return PieceOperands(weights=weights, publish=shard_op, grad=grad)

@@ -58,10 +58,12 @@ class Operand:
 @dataclass
 class PieceOperands:
     """The operands of one piece. ``publish``: the compute-dtype copy refreshed from the
-    updated weights (only where the weights are a swapped-out master)."""
+    updated weights (only where the weights are a swapped-out master); ``grad``: the
+    gradient when it lives in a swap file (else the piece's ``.grad``)."""
 
     weights: Operand
     publish: Operand | None = None
+    grad: Operand | None = None
     exp_avg: Operand = field(default_factory=Operand)
     exp_avg_sq: Operand = field(default_factory=Operand)
 
@@ -156,6 +158,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._sets = [_BufferSet(chunk_numel, pin_memory) for _ in range(max(2, buffer_count))]
         self.chunk_numel = chunk_numel
         self.io_wait_seconds = 0.0  # total, for the wall-clock breakdown
+        # Unscaling and clipping factor for gradients read from swap files (resident ones
+        # are scaled in place before the step); set before each step, None: leave them.
+        self.grad_scale: torch.Tensor | None = None
         for group in self.param_groups:
             for param in group["params"]:
                 self._prepare(param)
@@ -251,14 +256,14 @@ class OffloadedAdam(torch.optim.Optimizer):
                 adam_w_mode=group["adam_w_mode"],
             )
             for param in group["params"]:
-                if param.grad is None or param.numel() == 0:
+                ops = self._operands[id(param)]
+                if param.numel() == 0 or (param.grad is None and ops.grad is None):
                     continue
                 state = self.state[param]
                 if "step" not in state:  # a checkpoint without optimizer states was loaded
                     state["step"] = torch.zeros((), dtype=torch.float32)
                 state["step"] += 1
                 step = int(state["step"].item())
-                ops = self._operands[id(param)]
                 for name in ("exp_avg", "exp_avg_sq"):
                     op = getattr(ops, name)
                     if op.region is None:
@@ -305,6 +310,11 @@ class OffloadedAdam(torch.optim.Optimizer):
                 chunk.views["publish"] = buffers.get("publish", chunk.hi - chunk.lo, dtype)
             else:
                 chunk.views["publish"] = self._resident(ops.publish)[chunk.lo : chunk.hi]
+        if ops.grad is not None:
+            assert ops.grad.region is not None
+            dtype = ops.grad.region.dtype
+            chunk.views["grad"] = self._operand_view(chunk, "grad", ops.grad, dtype, buffers)
+            return
         grad = chunk.param.grad
         assert grad is not None
         grad = grad.reshape(-1)[chunk.lo : chunk.hi]
@@ -326,6 +336,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         grad = chunk.param.grad
         if grad is not None and grad.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the staged copy has landed
+        if chunk.ops.grad is not None:
+            streamed = views["grad"]
+            if streamed.dtype != torch.float32:
+                wide = buffers.get("grad_fp32", chunk.hi - chunk.lo, torch.float32)
+                streamed = views["grad"] = wide.copy_(streamed)
+            if self.grad_scale is not None:
+                streamed.mul_(self.grad_scale)
         publish = views.get("publish")
         if publish is not None and not chunk.ops.publish.swapped:  # type: ignore[union-attr]
             # A swapped-out master cannot be compared before the step (unit.py leaves it to

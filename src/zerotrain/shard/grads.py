@@ -8,7 +8,10 @@
   slice (stage 1).
 * ``ShardedGradients`` (stages 2 and 3): only this rank's slice is kept. On every micro-step the
   gradients are copied into a staging buffer as autograd produces them (and ``param.grad``
-  is freed), reduce-scattered, and added into the slice.
+  is freed), reduce-scattered, and added into the slice. Under NVMe optimizer offload the
+  slice lives in a swap file between reductions (``swap_to``): resident only while a
+  reduction adds into it and its write is in flight, with its norm taken on the way out
+  for clipping.
 
 Both scale by ``1 / pre_divide`` before the reduction and ``1 / post_divide`` after it, and
 reduce in the communication dtype: staging buffers have it (stages 2-3); a full buffer of
@@ -18,6 +21,7 @@ another dtype is converted for the reduction and back (stages 0-1).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +31,9 @@ from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
+
+if TYPE_CHECKING:
+    from zerotrain.offload.swapped import SwappedTensor, WriteBehind
 
 StagingProvider = Callable[[], torch.Tensor]
 
@@ -162,11 +169,35 @@ class ShardedGradients:
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staged: set[int] = set()  # parameters copied into staging this micro-step
         self._shard_is_zero = True  # the next reduction can overwrite instead of adding
+        self.swap: SwappedTensor | None = None
+        self._writer: WriteBehind | None = None
+        # L2 norm of a swapped slice after the window's last reduction (for clipping, which
+        # cannot read the slice back cheaply).
+        self.norm: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the owned slice (staging buffers are counted by the pool)."""
+        """Bytes of the owned slice in memory (staging buffers are counted by the pool)."""
+        if self.swap is not None:
+            return self.swap.resident_bytes
         return self.shard.numel() * self.shard.element_size()
+
+    def swap_to(self, swap: SwappedTensor, writer: WriteBehind) -> None:
+        """Keep the slice (``swap.tensor`` is ``shard``) in a swap file between reductions,
+        written out through ``writer``."""
+        invariant(swap.tensor is self.shard, "the swap must back this slice")
+        self.swap = swap
+        self._writer = writer
+        self.norm = torch.zeros((), dtype=torch.float32)
+
+    def _swap_out(self, final: bool) -> None:
+        assert self.swap is not None
+        assert self._writer is not None
+        if final:
+            wide = self.shard if self.shard.dtype == torch.float32 else self.shard.float()
+            # The same kernel as clip.global_grad_norm, so clipping is bitwise unchanged.
+            self.norm = torch._foreach_norm([wide])[0]
+        self._writer.put(self.swap)
 
     def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staging is None:
@@ -204,8 +235,10 @@ class ShardedGradients:
         on_done: Callable[[], None],
         staging: StagingProvider,
         label: str | None = None,
+        final: bool = True,
     ) -> Handle:
-        """Reduce-scatter this micro-step's staged gradients and add them to ``shard``."""
+        """Reduce-scatter this micro-step's staged gradients and add them to ``shard``;
+        ``final``: the window's last reduction."""
         pooled, full = self._stage(staging)
         self._staging = None
         self._zero_unstaged(full)
@@ -218,11 +251,15 @@ class ShardedGradients:
         def finish() -> None:
             if policy.post_divide != 1.0:
                 out.div_(policy.post_divide)
+            if self.swap is not None:
+                self.swap.materialize(read=not overwrite)
             if overwrite:
                 self.shard.copy_(out)
             else:
                 self.shard.add_(out)
             self.pool.release(pooled)
+            if self.swap is not None:
+                self._swap_out(final)
             on_done()
 
         return comm.reduce_scatter(
@@ -242,10 +279,13 @@ class ShardedGradients:
         self._staged.clear()
         for param in self.buffer.params:
             param.grad = None
-        self.shard.zero_()
-        self._shard_is_zero = True
+        self.zero_values()
 
     def zero_values(self) -> None:
         """Zero the gradient in place (``engine.zero_grad()``)."""
+        if self.swap is not None:
+            self.swap.materialize(read=False)
         self.shard.zero_()
         self._shard_is_zero = True
+        if self.swap is not None:
+            self._swap_out(final=True)

@@ -205,9 +205,21 @@ class ShardedUnit:
         return self.buffer.layout.numel
 
     @property
+    def grads_swapped(self) -> bool:
+        """NVMe optimizer offload keeps the gradient slice in a swap file."""
+        return isinstance(self.grads, ShardedGradients) and self.grads.swap is not None
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the reduced gradient slice (0-d), without reading a swapped one."""
+        if isinstance(self.grads, ShardedGradients) and self.grads.norm is not None:
+            return self.grads.norm
+        return torch._foreach_norm([self.grad_shard])[0]
+
+    @property
     def grad_shard(self) -> torch.Tensor:
         """The reduced gradient of this rank's owned range (padding included), in the dtype
         the optimizer steps: views of it are the pieces' ``.grad``."""
+        invariant(not self.grads_swapped, f"{self!r}: the gradient slice is in a swap file")
         shard = self.grads.shard
         if self.master is None or shard.dtype == torch.float32:
             return shard
@@ -247,7 +259,10 @@ class ShardedUnit:
 
     def bind_optimizer_grads(self) -> None:
         """Point each piece's ``.grad`` at its part of :attr:`grad_shard` (an optimizer's
-        ``zero_grad()`` drops these references; without them the piece would be skipped)."""
+        ``zero_grad()`` drops these references; without them the piece would be skipped).
+        A swapped slice is read by the offloaded step itself."""
+        if self.grads_swapped:
+            return
         lo = self.owned[0]
         grad = self.grad_shard
         for piece in self.pieces:
@@ -306,7 +321,9 @@ class ShardedUnit:
             self.state = GradState.REDUCED if final else GradState.ACCUMULATING
 
         if isinstance(self.grads, ShardedGradients):
-            return self.grads.reduce(self.comm, self.reduce_policy, on_done, staging, self.label)
+            return self.grads.reduce(
+                self.comm, self.reduce_policy, on_done, staging, self.label, final=final
+            )
         return self.grads.reduce(self.comm, self.reduce_policy, on_done, self.label)
 
     # -- optimizer step -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from torch import nn
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
 from zerotrain.offload.manager import Offload
+from zerotrain.optim.clip import combine_norms, global_grad_norm
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -156,12 +157,23 @@ class ZeroStrategy:
         trainable_numel = sum(t.param.numel() for t in trainable)
         every = trainable_numel
         itemsize = 4
+        model_dtype = trainable[0].param.dtype if trainable else torch.float32
         if stage3 is not None:
             params = list(stage3.model.parameters())
             every = sum(p.numel() for p in params)
-            dtype = self.precision.compute or (params[0].dtype if params else torch.float32)
+            model_dtype = params[0].dtype if params else model_dtype
+            dtype = self.precision.compute or model_dtype
             itemsize = torch.empty((), dtype=dtype).element_size()
-        offload.reserve(-(-every // world), -(-trainable_numel // world), self.precision, itemsize)
+        grad_dtype = self.precision.resolve(model_dtype)[1]
+        # Stage 3 slices cover frozen parameters too; stage 2 units hold only trainable ones.
+        grad_bytes = -(-every // world) * torch.empty((), dtype=grad_dtype).element_size()
+        offload.reserve(
+            -(-every // world),
+            -(-trainable_numel // world),
+            self.precision,
+            itemsize,
+            grad_bytes=grad_bytes,
+        )
 
     # -- backward -------------------------------------------------------------------------------
 
@@ -219,6 +231,26 @@ class ZeroStrategy:
     def partial_norm_reducer(self) -> Callable[[torch.Tensor], None] | None:
         """Sums partial squared norms over ranks when gradients are sharded, else None."""
         return self._sum_across_ranks if self.zero.shard_optimizer else None
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients (0-d fp32; one all-reduce when sharded).
+        Gradient slices in swap files contribute the norms taken as they were written."""
+        reducer = self.partial_norm_reducer()
+        if not any(u.grads_swapped for u in self.units):
+            return global_grad_norm(self.reduced_grads(), reducer)
+        for unit in self.units:
+            unit.check_reduced()
+        return combine_norms([u.grad_norm() for u in self.units], reducer)
+
+    def scale_grads(self, coef: torch.Tensor | None) -> None:
+        """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
+        them). Swapped slices are scaled by the offloaded step as it reads them."""
+        if coef is not None:
+            resident = [u.grad_shard for u in self.units if not u.grads_swapped]
+            if resident:
+                torch._foreach_mul_(resident, coef.to(resident[0].device))
+        if self.offload is not None and self.offload.optimizer is not None:
+            self.offload.optimizer.grad_scale = coef
 
     def _exchange_used(self) -> tuple[torch.Tensor, Handle]:
         """Start an all-reduce of which parameters got a gradient in this window."""
@@ -357,6 +389,8 @@ class ZeroStrategy:
         """
         unused = self._unused()
         self.adopt_outside_changes()
+        if self.offload is not None:
+            self.offload.settle()
         if optimizer is not None:
             if steps_model_params:
                 for unit in self.units:
