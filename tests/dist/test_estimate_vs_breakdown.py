@@ -121,3 +121,69 @@ def test_prediction_matches_memory_breakdown(world_size: int, kind: str) -> None
             total_p, total_m = sum(r["predicted"].values()), sum(r["measured"].values())
             assert _relative_error(total_p, total_m) <= 0.05, (where, total_p, total_m)
     assert worst <= 0.05
+
+
+def _offloaded_predicted_vs_measured(swap_root: str) -> list[dict[str, Any]]:
+    """NVMe offload of optimizer and parameters (everything swapped: max_in_cpu 0), stages
+    2 and 3, fp32 and bf16: what stays in memory, and what the swap files hold."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for stage, dtype in itertools.product((2, 3), ("fp32", "bf16")):
+        with torch.device("meta"):
+            shape_model = _build("gpt")
+        offload = {"offload_optimizer": "nvme", "offload_param": "nvme" if stage == 3 else "none"}
+        predicted = estimate_memory(
+            shape_model,
+            world_size=world,
+            stage=stage,
+            dtype=dtype,
+            device="cpu",
+            rank=rank,
+            max_in_cpu=0,
+            **offload,
+        )
+        torch.manual_seed(0)
+        model = _build("gpt")
+        swap = {"nvme_path": swap_root}
+        config = {
+            "train_batch_size": world,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": stage,
+                "offload_optimizer": {"device": "nvme", **swap},
+                "offload_param": {"device": offload["offload_param"], "max_in_cpu": 0, **swap},
+            },
+            "bf16": {"enabled": dtype == "bf16"},
+        }
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        engine.backward(_loss("gpt", engine(*_batch("gpt", rank))))
+        engine.step()
+        measured = engine.memory_breakdown()
+        engine.destroy()
+        results.append(
+            {
+                "where": f"stage {stage} {dtype}",
+                "predicted": {c: predicted.category(c).total for c in CATEGORIES},
+                "predicted_memory": {
+                    c: predicted.category(c).device + predicted.category(c).cpu
+                    for c in CATEGORIES
+                },
+                "predicted_nvme": predicted.nvme_total,
+                "measured": {c: measured.as_dict()[c] for c in CATEGORIES},
+                "measured_nvme": measured.nvme,
+            }
+        )
+    return results
+
+
+def test_offload_prediction_matches_memory_breakdown(tmp_path) -> None:
+    """What NVMe offload leaves in memory is predicted to the byte; the swap files hold
+    what the prediction moves there, plus each region's 4 KiB alignment."""
+    for rank, results in enumerate(run_distributed(_offloaded_predicted_vs_measured, 2, str(tmp_path))):
+        for r in results:
+            where = f"rank {rank} {r['where']}"
+            for c in CATEGORIES:
+                assert r["predicted_memory"][c] == r["measured"][c], (where, c, r)
+            nvme, disk = r["predicted_nvme"], r["measured_nvme"]
+            assert nvme > 0, where
+            assert nvme <= disk <= nvme * 1.05 + (64 << 10), (where, nvme, disk)

@@ -102,12 +102,31 @@ def test_module_shapes_reproduce_padding() -> None:
 def test_offload_moves_optimizer_states_and_params() -> None:
     kw = {"world_size": 8, "stage": 3, "dtype": "bf16"}
     plain = estimate_memory(10**9, **kw)
-    off = estimate_memory(10**9, offload_optimizer="cpu", offload_param="nvme", **kw)
+    # On a GPU: moments and master to the host; parameter shards are not moved yet.
+    off = estimate_memory(10**9, offload_optimizer="cpu", offload_param="cpu", **kw)
+    steps = 4 * plain.units  # one step count per piece stays as it is, in host memory
     assert off.optimizer_states.cpu == plain.optimizer_states.device
+    assert off.optimizer_states.device == 0
     assert off.master_weights.cpu == plain.master_weights.device
-    assert off.params.nvme == plain.params.device
-    assert off.total < plain.total
-    assert "predictions" in " ".join(off.notes)
+    assert off.params.device == plain.params.device
+    assert off.grads.device == plain.grads.device
+    assert steps > 0
+    # NVMe on a CPU run: moments, master and gradient slices to files; parameter shards too
+    # beyond max_in_cpu.
+    cpu_plain = estimate_memory(10**9, device="cpu", **kw)
+    nvme = estimate_memory(
+        10**9, device="cpu", offload_optimizer="nvme", offload_param="nvme", max_in_cpu=0, **kw
+    )
+    assert nvme.master_weights.nvme == cpu_plain.master_weights.device
+    assert nvme.grads.nvme == cpu_plain.grads.device
+    assert nvme.params.nvme + nvme.params.device == cpu_plain.params.device
+    assert nvme.params.device < cpu_plain.params.device / 100
+    assert nvme.optimizer_states.device == steps
+    assert nvme.total < cpu_plain.total / 5  # the gathered working set and staging remain
+    kept = estimate_memory(10**9, device="cpu", offload_param="nvme", **kw)
+    assert kept.params.nvme == 0  # max_in_cpu 1e9 keeps a 1B model's shards in memory
+    with pytest.raises(ValueError, match="CPU runs only"):
+        estimate_memory(10**9, offload_param="nvme", **kw)
 
 
 def test_activations_of_a_gpt() -> None:

@@ -298,4 +298,11 @@ def predict_memory(
         persistence_threshold=stage3.persistence_threshold,
         max_live_numel=stage3.max_live_numel,
         unit_classes=stage3.unit_classes,
+        offload_optimizer=policies.offload.optimizer,
+        # Refused on an accelerator by the engine, with its own message.
+        offload_param=policies.offload.param
+        if policies.training.stage >= 3
+        and (device.type == "cpu" or policies.offload.param != "nvme")
+        else "none",
+        max_in_cpu=policies.offload.max_in_cpu,
     )

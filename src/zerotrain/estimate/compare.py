@@ -27,8 +27,8 @@ def compare(
     """Lines of "predicted vs measured" per category, for the model states the engine
     accounts (``engine.memory_breakdown()``), their total, and the peak resident memory.
 
-    Predicted categories count their bytes wherever the estimate places them (the engine
-    does not offload, so it holds everything on its device).
+    Predicted categories count the bytes the estimate keeps in memory (device and host);
+    what it places on NVMe is compared with the swap files' size on a line of its own.
 
     Args:
         estimate: the prediction for this rank (``estimate_memory(..., rank=rank)``).
@@ -43,10 +43,13 @@ def compare(
     lines = ["memory: predicted vs measured (this rank)"]
     predicted_total = 0
     for name in _MEASURED:
-        predicted = estimate.category(name).total
+        placed = estimate.category(name)
+        predicted = placed.device + placed.cpu
         predicted_total += predicted
         lines.append(_line(name, predicted, measured[name]))
     lines.append(_line("model states total", predicted_total, breakdown.total))
+    if estimate.nvme_total or breakdown.nvme:
+        lines.append(_line("nvme (swap files)", estimate.nvme_total, breakdown.nvme))
     if peak_rss_bytes is not None:
         host = estimate.host_bytes
         if estimate.device_type == "cuda":

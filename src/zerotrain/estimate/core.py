@@ -1,13 +1,13 @@
 """``estimate_memory``: per-rank bytes of one training configuration, by category and by
 where they live (accelerator, host memory, NVMe).
 
-Offload (``offload_optimizer`` / ``offload_param``) follows the ZeRO-Offload and
-ZeRO-Infinity accounting: the optimizer step moves to the host with the fp32 master
-weights, the moments and the fp32 gradient partition it reads; stage 3 can also keep the
-parameter partitions there, so the accelerator holds only the gathered working set and
-gradient staging. These columns follow the papers, not yet zerotrain's own offload, which
-keeps the fp32 gradient shards where training runs (docs/offload.md): they are predictions,
-not checked against ``memory_breakdown()``.
+Offload (``offload_optimizer`` / ``offload_param``) places states where zerotrain's own
+offload keeps them (docs/offload.md): the optimizer's moments and the fp32 master (on an
+accelerator, an fp32 host copy even of fp32 parameters) in host memory or on NVMe; on a
+CPU run with NVMe also the gradient slices (stages 2-3) and the stage-3 parameter shards
+beyond ``max_in_cpu`` (units below the persistence threshold stay). Checked against
+``memory_breakdown()`` on CPU runs (tests/dist/test_estimate_vs_breakdown.py); NVMe bytes
+are before each region's 4 KiB alignment, and the step's chunk buffers are not included.
 """
 
 from __future__ import annotations
@@ -199,24 +199,29 @@ def _offload(name: str | None, what: str) -> str:
 def _place(
     states: StateBytes, setup: ZeroSetup, optimizer_to: str, param_to: str
 ) -> dict[str, Placement]:
-    """Put each category on the device, or where offload would move it."""
+    """Put each category on the device, or where zerotrain's offload moves it."""
     on_device = {
         name: Placement(device=getattr(states, name))
         for name in CATEGORIES
         if name != "activations"
     }
-    if optimizer_to != "none":
-        # ZeRO-Offload: the optimizer step runs on the host over the fp32 master and the
-        # moments; the gradient partition it reads is kept there in fp32. Stage 1 still
-        # reduce-scatters from a full gradient on the device.
-        owned_grads = states.stepped_elements * 4
-        host = optimizer_to
-        for name in ("master_weights", "optimizer_states"):
-            on_device[name] = Placement(**{host: getattr(states, name)})
-        grads_device = states.grads if setup.stage < 2 else 0
-        on_device["grads"] = Placement(device=grads_device, cpu=owned_grads)
-    if param_to != "none":
-        on_device["params"] = Placement(**{param_to: states.params})
+    on_cpu_run = setup.device == "cpu"
+    memory = "device" if on_cpu_run else "cpu"  # where host-memory states are counted
+    if optimizer_to != "none" and not (optimizer_to == "cpu" and on_cpu_run):
+        per_element = OPTIMIZER_STATES[setup.optimizer][0]
+        # The element-wise states move; the step counts (one per piece) stay in memory.
+        moments = states.stepped_elements * per_element * 4
+        counts = Placement(**{memory: states.optimizer_states - moments})
+        on_device["optimizer_states"] = counts + Placement(**{optimizer_to: moments})
+        master = states.master_weights
+        if not setup.master and not on_cpu_run:
+            master = states.stepped_elements * 4  # an fp32 host copy of fp32 parameters
+        on_device["master_weights"] = Placement(**{optimizer_to: master})
+    if optimizer_to == "nvme" and on_cpu_run and setup.stage >= 2:
+        on_device["grads"] = Placement(nvme=states.grads)
+    if param_to == "nvme":
+        kept = states.kept_params
+        on_device["params"] = Placement(device=kept, nvme=states.params - kept)
     return on_device
 
 
@@ -244,6 +249,7 @@ def estimate_memory(
     max_live_numel: int = 1_000_000_000,
     unit_classes: tuple[str, ...] | None = None,
     baseline_bytes: int = 0,
+    max_in_cpu: int = 1_000_000_000,
 ) -> MemoryEstimate:
     """Predict one rank's memory for training ``model`` with ZeRO.
 
@@ -254,8 +260,8 @@ def estimate_memory(
         dtype: "fp32", or "bf16"/"fp16" (mixed precision with fp32 master weights).
         grad_accum_dtype / communication_dtype: ``data_types.grad_accum_dtype`` and
             ``communication_data_type`` (None: fp32 under mixed precision).
-        offload_optimizer: "none", "cpu" or "nvme" (stages 1-3); a prediction only.
-        offload_param: "none", "cpu" or "nvme" (stage 3); a prediction only.
+        offload_optimizer: "none", "cpu" or "nvme" (stages 1-3).
+        offload_param: "none", "cpu" or "nvme" (stage 3; nvme on CPU runs only).
         micro_batch / seq_len: activations are estimated when both are given and the
             transformer shape is known (``transformer``, or read from the module's config).
         transformer: the model's shape for activations.
@@ -266,6 +272,7 @@ def estimate_memory(
         bucket_numel / overlap / prefetch_numel / persistence_threshold / max_live_numel /
             unit_classes: the ``zero_optimization`` keys of the same names.
         baseline_bytes: host memory of the process before any model state (for RSS).
+        max_in_cpu: ``offload_param.max_in_cpu``.
 
     Returns:
         The per-category bytes of rank ``rank``.
@@ -282,6 +289,8 @@ def estimate_memory(
         raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3 (stage 0 got it)")
     if param_to != "none" and stage < 3:
         raise ValueError(f"offload_param needs ZeRO stage 3, got stage {stage}")
+    if param_to == "nvme" and device != "cpu":
+        raise ValueError("offload_param nvme is supported on CPU runs only (device 'cpu')")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}"
@@ -311,6 +320,7 @@ def estimate_memory(
         prefetch_numel=prefetch_numel,
         persistence_threshold=persistence_threshold,
         max_live_numel=max_live_numel,
+        max_in_cpu=max_in_cpu,
     )
     states = _state_bytes(shape, setup)
     placed = _place(states, setup, optimizer_to, param_to)
@@ -333,8 +343,11 @@ def estimate_memory(
             f"parameters taken as {len(shape.blocks)} equal blocks (no shapes given): "
             "padding and unit sizes are approximate"
         )
-    if optimizer_to != "none" or param_to != "none":
-        notes.append("offload columns are predictions: zerotrain does not offload yet")
+    if optimizer_to == "nvme" or param_to == "nvme":
+        notes.append(
+            "NVMe bytes before each swap region's 4 KiB alignment; the offloaded step's "
+            "chunk buffers (buffer_count x 4M elements per swapped operand) come on top"
+        )
     return MemoryEstimate(
         **placed,
         activations=Placement(device=activations.peak),

@@ -50,6 +50,7 @@ class ZeroSetup:
         bucket_numel: ``reduce_bucket_size`` (None: sized from the model, as the engine does).
         overlap: ``overlap_comm`` (None: on for cuda, off for cpu).
         prefetch_numel / persistence_threshold / max_live_numel: the ``stage3_*`` keys.
+        max_in_cpu: ``offload_param.max_in_cpu`` (parameter shard elements kept in memory).
     """
 
     stage: int
@@ -66,6 +67,7 @@ class ZeroSetup:
     prefetch_numel: int = 50_000_000
     persistence_threshold: int = 100_000
     max_live_numel: int = 1_000_000_000
+    max_in_cpu: int = 1_000_000_000
 
     @property
     def sharded(self) -> bool:
@@ -92,6 +94,9 @@ class StateBytes:
     units: int
     padding_elements: int
     stepped_elements: int
+    # Stage 3: parameter bytes NVMe parameter offload would keep in memory (units below the
+    # persistence threshold, and the first built that fit in ``max_in_cpu``).
+    kept_params: int = 0
 
 
 def _padded(numel: int, setup: ZeroSetup) -> int:
@@ -208,6 +213,7 @@ def model_state_bytes(shape: ModelShape, setup: ZeroSetup) -> StateBytes:
             stepped + s,
             pieces + k,
         )
+    kept_params = _kept_params(units, root, setup) if setup.stage >= 3 else 0
     # A rank owning nothing of the (single) group still steps an empty placeholder.
     pieces = max(pieces, 1) if units else 0
     loose = shape.frozen_numel * setup.param_bytes if setup.stage < 3 else 0
@@ -226,4 +232,21 @@ def model_state_bytes(shape: ModelShape, setup: ZeroSetup) -> StateBytes:
         units=len(units),
         padding_elements=sum(_padded(u.numel, setup) - u.numel for u in units),
         stepped_elements=stepped,
+        kept_params=kept_params,
     )
+
+
+def _kept_params(units: list[UnitShape], root: UnitShape | None, setup: ZeroSetup) -> int:
+    """Bytes of parameter shards that ``offload_param: nvme`` leaves in memory
+    (``Offload.adopt``): units are built last block first, then the root."""
+    blocks = units[:-1] if root is not None else units
+    built = [*reversed(blocks), *([root] if root is not None else [])]
+    kept = budget = 0
+    for unit in built:
+        shard = _padded(unit.numel, setup) // setup.world_size
+        if unit.numel < setup.persistence_threshold or shard == 0:
+            kept += shard
+        elif budget + shard <= setup.max_in_cpu:
+            budget += shard
+            kept += shard
+    return kept * setup.param_bytes

@@ -66,7 +66,15 @@ class Offload:
         self.comm = comm
         self.swap_params = shard_parameters and policy.param == "nvme"
         self.swap_optimizer = policy.optimizer == "nvme"
-        self.swap_grads = self.swap_optimizer and shard_gradients
+        # On an accelerator the gradient slices stay on it and the step copies them to the
+        # host chunk by chunk; swap files hold host tensors only.
+        self.swap_grads = self.swap_optimizer and shard_gradients and comm.device.type == "cpu"
+        if self.swap_params and comm.device.type != "cpu":
+            raise SwapError(
+                f"offload_param.device 'nvme' is supported on CPU runs only so far; this run "
+                f"trains on {comm.device.type}, where parameter shards stay on the device. "
+                "Use offload_optimizer (cpu or nvme) alone, or set offload_param.device to none"
+            )
         self.persistence_threshold = persistence_threshold
         self.io: AsyncFileIO | None = None
         self._dirs: dict[Path, SwapDirectory] = {}
@@ -76,6 +84,12 @@ class Offload:
         self.grad_writes = WriteBehind(_GRAD_WRITES_IN_FLIGHT)
         self._kept_in_cpu = 0  # parameter elements kept resident under max_in_cpu
         self.optimizer: OffloadedAdam | None = None
+        if comm.device.type != "cpu" and shard_parameters and policy.param == "cpu":
+            log.warning(
+                "offload_param.device 'cpu' does not move stage-3 parameter shards off %s yet: "
+                "they stay in device memory (offload_optimizer still applies)",
+                comm.device.type,
+            )
         if comm.device.type == "cpu" and "cpu" in (policy.optimizer, policy.param):
             log.info(
                 "offload to cpu on a CPU-only run: states already live in host memory; the "
