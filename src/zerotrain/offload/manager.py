@@ -31,6 +31,7 @@ from zerotrain.shard.grads import ShardedGradients
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.logging import get_logger
+from zerotrain.utils.memory import map_large_allocations, release_free_memory
 
 log = get_logger(__name__)
 
@@ -84,6 +85,11 @@ class Offload:
         self.grad_writes = WriteBehind(_GRAD_WRITES_IN_FLIGHT)
         self._kept_in_cpu = 0  # parameter elements kept resident under max_in_cpu
         self.optimizer: OffloadedAdam | None = None
+        if (self.swap_optimizer or self.swap_params) and map_large_allocations():
+            # Swapped tensors are freed and regrown every step: without this, glibc keeps
+            # the freed blocks and resident memory grows with the model.
+            release_free_memory()
+            log.info("NVMe offload: allocations of 1 MiB and more are mapped and unmapped")
         if comm.device.type != "cpu" and shard_parameters and policy.param == "cpu":
             log.warning(
                 "offload_param.device 'cpu' does not move stage-3 parameter shards off %s yet: "

@@ -46,6 +46,25 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> bool:
+    """Serve every allocation of ``threshold`` bytes or more with its own mapping, which is
+    returned to the OS when freed (glibc only; returns whether it took effect).
+
+    glibc maps only blocks above a threshold that rises, as mapped blocks are freed, up to
+    32 MiB; everything smaller comes from heaps that return memory only from their top.
+    Tensors of a few MiB freed in the middle (swapped-out shards, replayed initial values)
+    then stay resident, and resident memory grows with the model instead of staying flat.
+    Setting the threshold fixes it for the process.
+    """
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

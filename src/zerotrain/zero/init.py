@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from zerotrain.comm.collectives import broadcast_without_engine
 from zerotrain.comm.env import init_distributed
 from zerotrain.shard.partitioned import replace_storage
-from zerotrain.utils.memory import release_free_memory
+from zerotrain.utils.memory import map_large_allocations, release_free_memory
 
 _RECIPE = "_zerotrain_recipe"  # on a parameter built by Init
 _TRACKED = "_zerotrain_view"  # on a meta tensor viewing such a parameter: (recipe, chain)
@@ -299,6 +299,10 @@ class Init:
     Every rank must build the same model inside the context: the random stream is rank 0's
     (broadcast on entry), so all ranks record the same values. On exit rank 0's generator is
     where normal construction would have left it; the other ranks get their own back.
+
+    Entering also sets the process's C allocator to map allocations of 1 MiB and more
+    individually (``utils.memory.map_large_allocations``, glibc): otherwise the heap keeps
+    what recording and replay free, and resident memory grows with the model.
     """
 
     def __init__(self, config: Any = None, enabled: bool = True, **kwargs: Any) -> None:
@@ -320,6 +324,9 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        # Recording and later replaying a large model allocates and frees many tensors of a
+        # few MiB; mapped individually, they leave nothing behind in the C heap.
+        map_large_allocations()
         env = init_distributed()
         state = torch.get_rng_state()
         if env.rank != 0:
