@@ -161,7 +161,7 @@ def _worker(args: argparse.Namespace) -> None:
         )
     )
     if system.startswith("zerotrain"):
-        engine.destroy()
+        engine.destroy(restore_params=False)  # the whole model would not fit on each rank
 
 
 # -- the search -----------------------------------------------------------------------------------

@@ -221,3 +221,24 @@ def test_swapped_gradient_slices_train_like_resident_ones(top, tmp_path):
         assert base["skipped"] > 0  # the overflow path ran
     _same_training(base, result)
     assert result["breakdown"]["grads"] == 0
+
+
+def _destroy_without_restoring(spec: RunSpec) -> dict:
+    model = make_model(spec)
+    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, 2))
+    train_steps(engine, spec, 0, 2)
+    dirs = [d.path for d in engine.strategy.offload._dirs.values()]
+    engine.destroy(restore_params=False)
+    return {
+        "left": [str(d) for d in dirs if d.exists()],
+        "held": sum(p.untyped_storage().nbytes() for p in model.parameters()),
+    }
+
+
+def test_destroy_without_restoring_frees_everything(tmp_path):
+    """A model that fits only offloaded is not gathered whole on every rank at the end:
+    destroy(restore_params=False) detaches, removes the swap files and leaves the
+    parameters empty."""
+    spec = _spec(3, _offload("nvme", "nvme", str(tmp_path)))
+    for result in run_distributed(_destroy_without_restoring, 2, spec):
+        assert result == {"left": [], "held": 0}

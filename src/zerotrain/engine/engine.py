@@ -371,15 +371,20 @@ class Engine(nn.Module):
         self.last_load_report = report
         return path, client_state
 
-    def destroy(self) -> None:
+    def destroy(self, restore_params: bool = True) -> None:
         """Detach the engine from the model: hooks removed, parameters in their own storage
         again (the model can then be trained without zerotrain, or wrapped anew). Under
         mixed precision the model returns to the dtypes it had, with the fp32 master values
         (frozen parameters, which have no master, come back as their compute-dtype values).
         Collective at stage 3, and under mixed precision at stages 1-2 (the master slices
-        are gathered): call it on every rank."""
+        are gathered): call it on every rank.
+
+        ``restore_params=False``: only detach and free (swap files removed); the
+        parameters are left without values. For a model trained sharded or offloaded
+        because it does not fit in memory whole, where restoring it on every rank would
+        not fit either: save a checkpoint first to keep the weights."""
         self.telemetry.close()
-        self.strategy.remove()
+        self.strategy.remove(restore_params)
         if self.checkpointed_blocks:
             checkpointing.remove(self.module)
             self.checkpointed_blocks = False

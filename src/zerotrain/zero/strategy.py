@@ -516,17 +516,23 @@ class ZeroStrategy:
         """ids (``id()``) of the parameters inside units."""
         return {id(p) for unit in self.units for p in unit.buffer.params}
 
-    def remove(self) -> None:
+    def remove(self, restore_params: bool = True) -> None:
         """Detach hooks and give parameters their own storage back, with the fp32 master
         values under mixed precision (collective at stage 3, where every unit is gathered
-        one last time, and wherever master weights are partitioned)."""
+        one last time, and wherever master weights are partitioned).
+
+        ``restore_params=False`` leaves the parameters without values (stage 3: empty)
+        instead: for models that fit only sharded or offloaded, whose whole values would
+        not fit in memory.
+        """
         self.sync.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
+        if restore_params:
+            # Unit by unit, so that only one unit is gathered besides the restored ones.
             for u, unit in enumerate(self.units):
-                if unit.master is None:
+                if self.gatherer is not None and unit.master is None:
                     self.gatherer.fetch(u)
-        for unit in self.units:
-            unit.release()
+                unit.release()
         if self.offload is not None:
             self.offload.close()
