@@ -26,6 +26,7 @@ import torch
 from zerotrain.offload.aio import IOFuture
 from zerotrain.offload.swap import SwapFile, SwapRegion, aligned_empty
 from zerotrain.offload.swapped import SwappedTensor
+from zerotrain.optim.adam import adam_defaults
 from zerotrain.optim.cpu_adam import CHUNK_ALIGN, AdamHyper, adam_step_
 from zerotrain.shard.unit import take_changes
 from zerotrain.utils.invariant import invariant
@@ -116,7 +117,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         buffer_count: chunk buffer sets (reads ahead ``buffer_count - 2`` chunks).
         chunk_numel: elements per chunk.
         pin_memory: page-locked staging buffers.
-        on_io_wait: told the seconds each step spent waiting for the disk.
     """
 
     swaps_states: bool
@@ -138,15 +138,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         chunk_numel: int = 1 << 22,
         pin_memory: bool = False,
     ) -> None:
-        defaults = {
-            "lr": lr,
-            "betas": tuple(betas),
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "bias_correction": bias_correction,
-            "adam_w_mode": adam_w_mode,
-            "amsgrad": amsgrad,
-        }
+        defaults = adam_defaults(
+            lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad
+        )
         super().__init__(list(params), defaults)
         for group in self.param_groups:
             _check_group(group)

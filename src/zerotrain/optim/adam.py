@@ -20,6 +20,28 @@ from zerotrain.optim.base import FlatOptimizer
 _CHUNK = 1 << 20  # elements per chunk in the unfused path: keeps temporaries cache-sized
 
 
+def adam_defaults(
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    adam_w_mode: bool,
+    amsgrad: bool,
+) -> dict[str, Any]:
+    """Adam's param-group defaults (shared with the offloaded step, whose groups and
+    checkpoints must carry the same options)."""
+    return {
+        "lr": lr,
+        "betas": tuple(betas),
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "bias_correction": bias_correction,
+        "adam_w_mode": adam_w_mode,
+        "amsgrad": amsgrad,
+    }
+
+
 class Adam(FlatOptimizer):
     """Adam over flat tensors.
 
@@ -45,15 +67,9 @@ class Adam(FlatOptimizer):
         adam_w_mode: bool = True,
         amsgrad: bool = False,
     ) -> None:
-        defaults = {
-            "lr": lr,
-            "betas": tuple(betas),
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "bias_correction": bias_correction,
-            "adam_w_mode": adam_w_mode,
-            "amsgrad": amsgrad,
-        }
+        defaults = adam_defaults(
+            lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad
+        )
         super().__init__(params, defaults)
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:

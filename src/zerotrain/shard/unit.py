@@ -211,7 +211,8 @@ class ShardedUnit:
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the reduced gradient slice (0-d), without reading a swapped one."""
-        if isinstance(self.grads, ShardedGradients) and self.grads.norm is not None:
+        if isinstance(self.grads, ShardedGradients) and self.grads.swap is not None:
+            assert self.grads.norm is not None
             return self.grads.norm
         return torch._foreach_norm([self.grad_shard])[0]
 

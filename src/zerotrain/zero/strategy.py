@@ -163,10 +163,10 @@ class ZeroStrategy:
             every = sum(p.numel() for p in params)
             model_dtype = params[0].dtype if params else model_dtype
             dtype = self.precision.compute or model_dtype
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
         grad_dtype = self.precision.resolve(model_dtype)[1]
         # Stage 3 slices cover frozen parameters too; stage 2 units hold only trainable ones.
-        grad_bytes = -(-every // world) * torch.empty((), dtype=grad_dtype).element_size()
+        grad_bytes = -(-every // world) * grad_dtype.itemsize
         offload.reserve(
             -(-every // world),
             -(-trainable_numel // world),
