@@ -14,7 +14,9 @@ import torch.distributed as dist
 import zerotrain
 from tests.helpers.training import (
     RunSpec,
+    global_batches,
     make_model,
+    micro_batch,
     run_training,
     train_steps,
     zerotrain_config,
@@ -221,6 +223,51 @@ def test_swapped_gradient_slices_train_like_resident_ones(top, tmp_path):
         assert base["skipped"] > 0  # the overflow path ran
     _same_training(base, result)
     assert result["breakdown"]["grads"] == 0
+
+
+def _train_calling_zero_grad(spec: RunSpec, leading: bool, after: bool = True) -> dict:
+    """``leading``: engine.zero_grad() before every step's first backward (a plain-PyTorch
+    habit). ``after``: step 1 calls it after its last backward too, so that step sees zero
+    gradients."""
+    model = make_model(spec)
+    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, 2))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = global_batches(spec, world)
+    losses = []
+    for step in range(spec.steps):
+        if leading:
+            engine.zero_grad()
+        for micro in range(spec.grad_accum):
+            loss = engine.backward(engine(*micro_batch(batches, spec, step, micro, rank, world)))
+            if after and step == 1 and micro == spec.grad_accum - 1:
+                engine.zero_grad()
+            engine.step()
+        losses.append(float(loss))
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    offload = engine.strategy.offload
+    written = offload.io.bytes_written if offload is not None and offload.io else 0
+    engine.destroy()
+    return {"losses": losses, "params": params, "written": written}
+
+
+def test_zero_grad_with_swapped_gradient_slices(tmp_path):
+    """zero_grad() before a window's reductions writes nothing to the swap file (the next
+    reduction overwrites the slice anyway); after the window's last reduction it zeroes
+    what the step reads, as the resident run does."""
+    spec = _spec(3, None, steps=4)
+    base = run_distributed(_train_calling_zero_grad, 2, spec, True)[0]
+    swapped_spec = _spec(3, _offload("nvme", "nvme", str(tmp_path)), steps=4)
+    swapped = run_distributed(_train_calling_zero_grad, 2, swapped_spec, True)[0]
+    _same_training(base, swapped)
+    assert swapped["losses"] == base["losses"]
+    without_leading = run_distributed(_train_calling_zero_grad, 2, swapped_spec, False)[0]
+    assert without_leading["losses"] == swapped["losses"]
+    assert without_leading["written"] == swapped["written"] > 0
+    # The zeroed step did change training: plain training differs from step 2 on.
+    plain = run_distributed(_train_calling_zero_grad, 2, spec, True, False)[0]["losses"]
+    assert plain[:2] == base["losses"][:2]
+    assert plain[2:] != base["losses"][2:]
 
 
 def _destroy_without_restoring(spec: RunSpec) -> dict:

@@ -169,6 +169,7 @@ class ShardedGradients:
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staged: set[int] = set()  # parameters copied into staging this micro-step
         self._shard_is_zero = True  # the next reduction can overwrite instead of adding
+        self._window_reduced = False  # the window's last reduction is in the slice
         self.swap: SwappedTensor | None = None
         self._writer: WriteBehind | None = None
         # L2 norm of a swapped slice after the window's last reduction (for clipping, which
@@ -193,6 +194,7 @@ class ShardedGradients:
     def _swap_out(self, final: bool) -> None:
         assert self.swap is not None
         assert self._writer is not None
+        self._window_reduced = final
         if final:
             wide = self.shard if self.shard.dtype == torch.float32 else self.shard.float()
             # The same kernel as clip.global_grad_norm, so clipping is bitwise unchanged.
@@ -270,6 +272,7 @@ class ShardedGradients:
         """Start a new accumulation window."""
         invariant(self._staging is None, "gradients staged but never reduced")
         self._shard_is_zero = True  # the first reduction of the window overwrites it
+        self._window_reduced = False
 
     def reset(self) -> None:
         """Drop whatever a failed backward pass left behind."""
@@ -283,9 +286,15 @@ class ShardedGradients:
 
     def zero_values(self) -> None:
         """Zero the gradient in place (``engine.zero_grad()``)."""
-        if self.swap is not None:
-            self.swap.materialize(read=False)
-        self.shard.zero_()
         self._shard_is_zero = True
-        if self.swap is not None:
-            self._swap_out(final=True)
+        if self.swap is None:
+            self.shard.zero_()
+            return
+        if not self._window_reduced:
+            # Nothing reads a swapped slice before the window's last reduction, and the
+            # next reduction overwrites it: writing zeros would cost a gradient's worth of
+            # disk writes per call for nothing.
+            return
+        self.swap.materialize(read=False)
+        self.shard.zero_()
+        self._swap_out(final=True)
