@@ -7,7 +7,13 @@ Systems (2 CPU ranks over gloo, fp32, AdamW, micro-batch 1 x 32 tokens):
 - ``zerotrain-3-nvme``: the same with ``offload_optimizer`` and ``offload_param`` on NVMe
   (swap files under ``--nvme-path``);
 - ``deepspeed-3-nvme``: DeepSpeed stage 3 with the same offload, built under
-  ``deepspeed.zero.Init`` (needs its async I/O op, which needs libaio-dev).
+  ``deepspeed.zero.Init`` (needs its async I/O op, which needs libaio-dev), in the
+  configuration of it that trains: its default ``max_in_cpu`` (parameter shards of models
+  under 1e9 elements per rank stay in memory; 0 fails, see ``_worker``), parameter buffers
+  the size of the largest parameter, ``sub_group_size`` 1e8 (``--ds-*`` options).
+  Build its ops once beforehand (``CPUAdamBuilder().load()``, ``AsyncIOBuilder().load()``):
+  two ranks compiling at once wait on one lock, and a run killed while compiling leaves the
+  lock behind (``~/.cache/torch_extensions/*/lock``).
 
 A size fits when all 3 steps finish with finite losses while the resident memory of all
 ranks together stays under ``--budget`` (a watchdog samples it and stops the run when it
@@ -132,7 +138,22 @@ def _worker(args: argparse.Namespace) -> None:
 
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         config = _zero_config(nvme)
-        config["zero_optimization"]["offload_optimizer"]["pin_memory"] = False
+        zero = config["zero_optimization"]
+        zero["offload_optimizer"]["pin_memory"] = False
+        # DeepSpeed 0.19 with max_in_cpu 0 (every parameter shard on NVMe) fails in the second
+        # step at any size with more swappable parameters than param buffers ("Not enough
+        # buffers 0 for swapping 1", deepspeedai/DeepSpeed#3062): the swapper does not give its
+        # buffers back. Its default max_in_cpu keeps up to 1e9 elements of parameter shards per
+        # rank in RAM instead; that is the configuration that trains, so it is the one measured.
+        zero["offload_param"]["max_in_cpu"] = args.ds_max_in_cpu
+        zero["offload_param"]["buffer_count"] = args.ds_param_buffers
+        # Its parameter buffers default to 1e8 elements each; the largest parameter (the MLP's
+        # 4 w x w) is all one needs to hold.
+        zero["offload_param"]["buffer_size"] = 4 * args.width * args.width
+        zero["offload_optimizer"]["buffer_count"] = 4
+        # The optimizer swapper's buffers are sized by the largest sub-group (default 1e9
+        # elements); smaller sub-groups keep them bounded.
+        zero["sub_group_size"] = args.ds_sub_group_size
         with deepspeed.zero.Init(config_dict_or_path=config):
             torch.manual_seed(0)
             net = GPT(cfg)
@@ -222,6 +243,9 @@ def attempt(system: str, layers: int, args: argparse.Namespace) -> dict[str, Any
         cmd = [sys.executable, __file__, "--worker", "--system", system]
         cmd += ["--layers", str(layers), "--width", str(args.width), "--steps", str(args.steps)]
         cmd += ["--out", str(out_dir / f"rank{rank}.json"), "--nvme-path", str(nvme or "")]
+        cmd += ["--ds-param-buffers", str(args.ds_param_buffers)]
+        cmd += ["--ds-max-in-cpu", str(args.ds_max_in_cpu)]
+        cmd += ["--ds-sub-group-size", str(args.ds_sub_group_size)]
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         procs.append(
             (subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True), log)
@@ -323,6 +347,15 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/tmp/zerotrain-capacity-swap")
     parser.add_argument("--work", default="/tmp/zerotrain-capacity")
     parser.add_argument("--json", help="write every attempt here")
+    parser.add_argument(
+        "--ds-param-buffers", type=int, default=5, help="DeepSpeed offload_param.buffer_count"
+    )
+    parser.add_argument(
+        "--ds-max-in-cpu", type=int, default=10**9, help="DeepSpeed offload_param.max_in_cpu"
+    )
+    parser.add_argument(
+        "--ds-sub-group-size", type=int, default=10**8, help="DeepSpeed zero sub_group_size"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
