@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerotrain
+from zerotrain.engine.accounting import MemoryBreakdown
 from zerotrain.estimate import estimate_memory
 from zerotrain.examples.gpt import GPT, GPTConfig
 from zerotrain.testing.dist import run_distributed
@@ -54,6 +55,24 @@ def _batch(kind: str, rank: int) -> tuple[Any, ...]:
     return (torch.randn(4, 7, generator=gen),)
 
 
+def _breakdown_after_one_step(kind: str, zero: dict[str, Any], dtype: str) -> MemoryBreakdown:
+    """On every rank: the engine's memory breakdown after one Adam step of a fresh model."""
+    torch.manual_seed(0)
+    model = _build(kind)
+    config = {
+        "train_batch_size": dist.get_world_size(),
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engine.backward(_loss(kind, engine(*_batch(kind, dist.get_rank()))))
+    engine.step()
+    measured = engine.memory_breakdown()
+    engine.destroy()
+    return measured
+
+
 def _predicted_vs_measured(kind: str) -> list[dict[str, Any]]:
     """On every rank: one training step per (stage, dtype); both sides' bytes per category."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -72,22 +91,10 @@ def _predicted_vs_measured(kind: str) -> list[dict[str, Any]]:
                 rank=rank,
                 bucket_numel=bucket,
             )
-            torch.manual_seed(0)
-            model = _build(kind)
             zero: dict[str, Any] = {"stage": stage}
             if bucket is not None:
                 zero["reduce_bucket_size"] = bucket
-            config = {
-                "train_batch_size": world,
-                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                "zero_optimization": zero,
-                "bf16": {"enabled": dtype == "bf16"},
-            }
-            engine, *_ = zerotrain.initialize(model=model, config=config)
-            engine.backward(_loss(kind, engine(*_batch(kind, rank))))
-            engine.step()
-            measured = engine.memory_breakdown().as_dict()
-            engine.destroy()
+            measured = _breakdown_after_one_step(kind, zero, dtype).as_dict()
             results.append(
                 {
                     "stage": stage,
@@ -142,24 +149,13 @@ def _offloaded_predicted_vs_measured(swap_root: str) -> list[dict[str, Any]]:
             max_in_cpu=0,
             **offload,
         )
-        torch.manual_seed(0)
-        model = _build("gpt")
         swap = {"nvme_path": swap_root}
-        config = {
-            "train_batch_size": world,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-            "zero_optimization": {
-                "stage": stage,
-                "offload_optimizer": {"device": "nvme", **swap},
-                "offload_param": {"device": offload["offload_param"], "max_in_cpu": 0, **swap},
-            },
-            "bf16": {"enabled": dtype == "bf16"},
+        zero = {
+            "stage": stage,
+            "offload_optimizer": {"device": "nvme", **swap},
+            "offload_param": {"device": offload["offload_param"], "max_in_cpu": 0, **swap},
         }
-        engine, *_ = zerotrain.initialize(model=model, config=config)
-        engine.backward(_loss("gpt", engine(*_batch("gpt", rank))))
-        engine.step()
-        measured = engine.memory_breakdown()
-        engine.destroy()
+        measured = _breakdown_after_one_step("gpt", zero, dtype)
         results.append(
             {
                 "where": f"stage {stage} {dtype}",
@@ -179,7 +175,8 @@ def _offloaded_predicted_vs_measured(swap_root: str) -> list[dict[str, Any]]:
 def test_offload_prediction_matches_memory_breakdown(tmp_path) -> None:
     """What NVMe offload leaves in memory is predicted to the byte; the swap files hold
     what the prediction moves there, plus each region's 4 KiB alignment."""
-    for rank, results in enumerate(run_distributed(_offloaded_predicted_vs_measured, 2, str(tmp_path))):
+    ranks = run_distributed(_offloaded_predicted_vs_measured, 2, str(tmp_path))
+    for rank, results in enumerate(ranks):
         for r in results:
             where = f"rank {rank} {r['where']}"
             for c in CATEGORIES:

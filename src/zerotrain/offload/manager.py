@@ -295,10 +295,9 @@ def _piece_operands(unit: ShardedUnit, start: int, param: torch.Tensor) -> Piece
         else Operand(tensor=unit.buffer.owned_slice(start, start + n))
     )
     grad = None
-    grads = unit.grads
-    if isinstance(grads, ShardedGradients) and grads.swap is not None:
+    if unit.grad_swap is not None:
         # Never cached: the step runs after every slice was written out and dropped.
-        grad = Operand(region=grads.swap.region, start=start - lo)
+        grad = Operand(region=unit.grad_swap.region, start=start - lo)
     if unit.master is None:
         return PieceOperands(weights=shard_op, grad=grad)
     if unit.master_swap is None:

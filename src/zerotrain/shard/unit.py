@@ -205,9 +205,14 @@ class ShardedUnit:
         return self.buffer.layout.numel
 
     @property
+    def grad_swap(self) -> SwappedTensor | None:
+        """The swap file region backing the gradient slice (NVMe optimizer offload), if any."""
+        return self.grads.swap if isinstance(self.grads, ShardedGradients) else None
+
+    @property
     def grads_swapped(self) -> bool:
         """NVMe optimizer offload keeps the gradient slice in a swap file."""
-        return isinstance(self.grads, ShardedGradients) and self.grads.swap is not None
+        return self.grad_swap is not None
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the reduced gradient slice (0-d), without reading a swapped one."""

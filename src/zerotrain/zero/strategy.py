@@ -165,14 +165,14 @@ class ZeroStrategy:
             dtype = self.precision.compute or model_dtype
             itemsize = dtype.itemsize
         grad_dtype = self.precision.resolve(model_dtype)[1]
-        # Stage 3 slices cover frozen parameters too; stage 2 units hold only trainable ones.
-        grad_bytes = -(-every // world) * grad_dtype.itemsize
+        owned = -(-every // world)
         offload.reserve(
-            -(-every // world),
+            owned,
             -(-trainable_numel // world),
             self.precision,
             itemsize,
-            grad_bytes=grad_bytes,
+            # Stage 3 slices cover frozen parameters too; stage 2 units hold only trainable ones.
+            grad_bytes=owned * grad_dtype.itemsize,
         )
 
     # -- backward -------------------------------------------------------------------------------
