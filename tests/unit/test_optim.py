@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers.training import ReferenceLamb
 from zerotrain.optim import SGD, Adam, Lamb
-from zerotrain.optim.clip import clip_grads_
+from zerotrain.optim.clip import clip_coefficient, global_grad_norm
 
 SHAPES = [(4, 3), (5,), (2, 2)]
 
@@ -133,19 +133,22 @@ def test_clip_matches_torch_clip_grad_norm():
         r.grad = p.grad.clone()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
     grads = [p.grad for p in params]
-    norm = clip_grads_(grads, 1.0)
+    norm, coef = clip_coefficient(global_grad_norm(grads), 1.0, 1.0)
+    assert coef is not None
+    torch._foreach_mul_(grads, coef)
     torch.testing.assert_close(norm, ref_norm)
     for p, r in zip(params, ref, strict=True):
         torch.testing.assert_close(p.grad, r.grad)
 
 
-def test_clip_reduces_partial_norms_and_measures_only_when_disabled():
+def test_norm_reduces_fp64_partial_squares_and_clip_off_applies_nothing():
     grads = [torch.full((4,), 3.0)]
     calls = []
-    norm = clip_grads_(grads, 0.0, reduce_partial=lambda sq: (calls.append(1), sq.mul_(2)))
-    assert calls == [1]
+    norm = global_grad_norm(grads, reduce_partial=lambda sq: (calls.append(sq.dtype), sq.mul_(2)))
+    assert calls == [torch.float64]
     assert norm.item() == pytest.approx((2 * 36) ** 0.5)
-    assert torch.equal(grads[0], torch.full((4,), 3.0))
+    assert norm.dtype == torch.float32
+    assert clip_coefficient(norm, 1.0, 0.0)[1] is None  # clipping off: nothing to apply
 
 
 def test_lamb_parameter_split_across_tensors_uses_one_trust_ratio():

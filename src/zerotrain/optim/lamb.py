@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from zerotrain.optim.base import FlatOptimizer
+from zerotrain.utils.norms import squared_norms
 
 NormReducer = Callable[[torch.Tensor], None]
 Segment = tuple[int, int, int]  # (start, end, parameter id) inside one flat tensor
@@ -111,7 +112,9 @@ class Lamb(FlatOptimizer):
         spans = {id(p): s for p, s in zip(group["params"], group["segments"], strict=True)}
         device = params[0].device
         # Pass 1: moments, updates and partial squared norms per parameter id.
-        squares = torch.zeros(2, group["num_ids"], dtype=torch.float32, device=device)
+        # fp64 squares from row-wise norms: a parameter's piece can be millions of elements,
+        # where one fp32 reduction is off by ~1e-4 (see utils/norms.py).
+        squares = torch.zeros(2, group["num_ids"], dtype=torch.float64, device=device)
         work = []
         for param in params:
             state = self.state[param]
@@ -135,12 +138,12 @@ class Lamb(FlatOptimizer):
                 if not real:
                     break  # padding only (or an empty placeholder): no norm to add
                 pieces = tensor.view(-1).split(lengths)
-                norms = torch._foreach_norm([pieces[i] for i in real])
-                squares[row].index_add_(0, index, torch.stack(norms).float().square())
+                piece_squares = squared_norms([pieces[i] for i in real])
+                squares[row].index_add_(0, index, torch.stack(piece_squares))
             work.append((param, update, lengths, ids, state["step"]))
         if self._norm_reducer is not None:
             self._norm_reducer(squares)
-        w_norm, u_norm = squares.sqrt().unbind(0)
+        w_norm, u_norm = squares.sqrt().float().unbind(0)
         ratio = (w_norm / u_norm).clamp_(group["min_coeff"], group["max_coeff"])
         trust = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
         # Pass 2: apply. Padding gets coefficient 0 and is never updated.

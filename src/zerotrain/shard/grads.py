@@ -31,6 +31,7 @@ from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.norms import squared_norm
 
 if TYPE_CHECKING:
     from zerotrain.offload.swapped import SwappedTensor, WriteBehind
@@ -174,7 +175,8 @@ class ShardedGradients:
         self._writer: WriteBehind | None = None
         # L2 norm of a swapped slice after the window's last reduction (for clipping, which
         # cannot read the slice back cheaply).
-        self.norm: torch.Tensor | None = None
+        # Sum of squares of a swapped slice, taken as it is written out (0-d fp64).
+        self.sq_norm: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -189,16 +191,15 @@ class ShardedGradients:
         invariant(swap.tensor is self.shard, "the swap must back this slice")
         self.swap = swap
         self._writer = writer
-        self.norm = torch.zeros((), dtype=torch.float32)
+        self.sq_norm = torch.zeros((), dtype=torch.float64)
 
     def _swap_out(self, final: bool) -> None:
         assert self.swap is not None
         assert self._writer is not None
         self._window_reduced = final
         if final:
-            wide = self.shard if self.shard.dtype == torch.float32 else self.shard.float()
-            # The same kernel as clip.global_grad_norm, so clipping is bitwise unchanged.
-            self.norm = torch._foreach_norm([wide])[0]
+            # The same function as for resident slices, so clipping is bitwise unchanged.
+            self.sq_norm = squared_norm(self.shard)
         self._writer.put(self.swap)
 
     def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ from zerotrain.shard.owned import ValueSource, copy_owned_range
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.norms import squared_norm
 from zerotrain.zero.policy import ZeroPolicy
 
 
@@ -214,12 +215,13 @@ class ShardedUnit:
         """NVMe optimizer offload keeps the gradient slice in a swap file."""
         return self.grad_swap is not None
 
-    def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the reduced gradient slice (0-d), without reading a swapped one."""
+    def grad_squared_norm(self) -> torch.Tensor:
+        """Sum of squares of the reduced gradient slice (0-d fp64), without reading a swapped
+        one (its sum was taken as it was written out)."""
         if isinstance(self.grads, ShardedGradients) and self.grads.swap is not None:
-            assert self.grads.norm is not None
-            return self.grads.norm
-        return torch._foreach_norm([self.grad_shard])[0]
+            invariant(self.grads.sq_norm is not None, "a swapped slice has a recorded norm")
+            return self.grads.sq_norm  # type: ignore[return-value]
+        return squared_norm(self.grad_shard)
 
     @property
     def grad_shard(self) -> torch.Tensor:

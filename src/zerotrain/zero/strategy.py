@@ -24,7 +24,7 @@ from torch import nn
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
 from zerotrain.offload.manager import Offload
-from zerotrain.optim.clip import combine_norms, global_grad_norm
+from zerotrain.optim.clip import norm_from_squares
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -234,13 +234,11 @@ class ZeroStrategy:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (0-d fp32; one all-reduce when sharded).
-        Gradient slices in swap files contribute the norms taken as they were written."""
-        reducer = self.partial_norm_reducer()
-        if not any(u.grads_swapped for u in self.units):
-            return global_grad_norm(self.reduced_grads(), reducer)
+        Gradient slices in swap files contribute the sums taken as they were written."""
         for unit in self.units:
             unit.check_reduced()
-        return combine_norms([u.grad_norm() for u in self.units], reducer)
+        squares = [u.grad_squared_norm() for u in self.units]
+        return norm_from_squares(squares, self.partial_norm_reducer())
 
     def scale_grads(self, coef: torch.Tensor | None) -> None:
         """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
