@@ -31,8 +31,9 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}
 def _user_optimizer(stage: int, kind: str) -> dict:
     spec = RunSpec(steps=6, stage=stage, opt_params=ADAMW)
     model = make_model(spec)
-    config = {k: v for k, v in zerotrain_config(spec, dist.get_world_size()).items()
-              if k != "optimizer"}
+    config = {
+        k: v for k, v in zerotrain_config(spec, dist.get_world_size()).items() if k != "optimizer"
+    }
     if kind == "object":
         passed = torch.optim.AdamW(model.parameters(), **ADAMW)
         engine, returned, _, _ = zerotrain.initialize(model=model, optimizer=passed, config=config)
@@ -65,8 +66,12 @@ def _scheduler_object_with_rebuilt_optimizer() -> str:
     passed = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(passed, step_size=1)
     try:
-        zerotrain.initialize(model=model, optimizer=passed, lr_scheduler=sched,
-                             config={"train_batch_size": 2, "zero_optimization": {"stage": 1}})
+        zerotrain.initialize(
+            model=model,
+            optimizer=passed,
+            lr_scheduler=sched,
+            config={"train_batch_size": 2, "zero_optimization": {"stage": 1}},
+        )
     except ValueError as err:
         return str(err)
     return "no error"
@@ -84,8 +89,11 @@ class _NormClipping(torch.optim.SGD):
 def _non_elementwise_optimizer() -> str:
     model = make_model(RunSpec())
     try:
-        zerotrain.initialize(model=model, optimizer=_NormClipping(model.parameters(), lr=0.1),
-                             config={"train_batch_size": 2, "zero_optimization": {"stage": 2}})
+        zerotrain.initialize(
+            model=model,
+            optimizer=_NormClipping(model.parameters(), lr=0.1),
+            config={"train_batch_size": 2, "zero_optimization": {"stage": 2}},
+        )
     except TypeError as err:
         return str(err)
     return "no error"
@@ -99,9 +107,13 @@ def test_unknown_optimizer_class_is_refused_when_states_are_partitioned():
 def _config_schedule() -> list[float]:
     spec = RunSpec(steps=5, grad_accum=1, opt_params={"lr": 0.01})
     model = make_model(spec)
-    config = {**zerotrain_config(spec, 2),
-              "scheduler": {"type": "WarmupLR",
-                            "params": {"warmup_num_steps": 4, "warmup_type": "linear"}}}
+    config = {
+        **zerotrain_config(spec, 2),
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 4, "warmup_type": "linear"},
+        },
+    }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     lrs = [engine.get_lr()[0]]
     batches = global_batches(spec, 2)
@@ -279,8 +291,40 @@ def _different_models() -> None:
 
 
 def test_ranks_with_different_models_fail_fast():
-    with pytest.raises(DistributedTestError, match="the ranks built different models"):
+    with pytest.raises(DistributedTestError, match="the ranks built different models") as err:
         run_distributed(_different_models, 2, timeout=60)
+    # Both ranks fail, and the message names the parameter and each rank's shape.
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 raised" in str(err.value)
+    assert (
+        "'parameter #0': rank 0 has 'weight' (2, 8) torch.float32, rank 1 has 'weight' (2, 9)"
+        in str(err.value)
+    )
+
+
+def _different_configs(kind: str) -> None:
+    rank = dist.get_rank()
+    config: dict = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if kind == "lr":
+        config["optimizer"]["params"]["lr"] = 1e-3 * (1 + rank)
+    else:  # a key present on one rank only
+        config["gradient_clipping"] = 1.0 if rank == 1 else 0.0
+    zerotrain.initialize(model=torch.nn.Linear(4, 2), config=config)
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("lr", "'optimizer.params.lr': rank 0 has 0.001, rank 1 has 0.002"),
+        ("clip", "'gradient_clipping': rank 0 has 0.0, rank 1 has 1.0"),
+    ],
+)
+def test_ranks_with_different_configs_fail_naming_the_key(kind, expected):
+    with pytest.raises(DistributedTestError, match="different configs") as err:
+        run_distributed(_different_configs, 2, kind, timeout=60)
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 raised" in str(err.value)
+    assert expected in str(err.value)
 
 
 def _unused_on_one_rank() -> list[float]:
@@ -338,7 +382,9 @@ def _user_zero_grad(stage: int, user_optimizer: bool) -> dict:
     return {"losses": [0.0], "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize(("stage", "user_optimizer"), [(0, False), (0, True), (1, False), (2, False)])
+@pytest.mark.parametrize(
+    ("stage", "user_optimizer"), [(0, False), (0, True), (1, False), (2, False)]
+)
 def test_zero_grad_set_to_none_between_steps_loses_nothing(stage, user_optimizer):
     got = run_distributed(_user_zero_grad, 2, stage, user_optimizer)[0]
     ref = train_reference(RunSpec(steps=3, grad_accum=2, opt_params=ADAMW), 2)

@@ -114,14 +114,18 @@ def test_lamb_requires_segments():
         Lamb([torch.zeros(4)])
 
 
-def test_zero_grad_keeps_gradient_buffers():
+def test_zero_grad_follows_torch_set_to_none():
+    # The engine binds the pieces' gradients again before each step, and reads dropped ones
+    # as "the user cleared the gradients" (tests/dist/test_gan.py).
     flat = torch.zeros(4)
     grad = torch.ones(4)
     flat.grad = grad
     opt = Adam([flat])
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)
     assert flat.grad is grad
     assert torch.equal(grad, torch.zeros(4))
+    opt.zero_grad()
+    assert flat.grad is None
 
 
 def test_clip_matches_torch_clip_grad_norm():

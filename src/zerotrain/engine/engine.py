@@ -18,7 +18,9 @@ Like DeepSpeed's engine, it is an ``nn.Module`` wrapping the model as ``engine.m
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -108,6 +110,7 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self._backward_pending_step = False
+        self._no_sync = False  # inside engine.no_sync()
         self._grad_norm: torch.Tensor | None = None
         # This rank's micro-batch losses since the last periodic report.
         self.window_losses: list[torch.Tensor] = []
@@ -152,7 +155,8 @@ class Engine(nn.Module):
         if self._backward_pending_step:
             raise RuntimeError(
                 "backward() called twice without step(): call engine.step() after every "
-                "engine.backward(), or sum the losses of one micro-batch first"
+                "engine.backward(), sum the losses of one micro-batch first, or run the "
+                "earlier backward passes inside 'with engine.no_sync():'"
             )
         gas = self.policy.batch.gradient_accumulation_steps
         divisor = self.policy.loss_divisor
@@ -175,12 +179,36 @@ class Engine(nn.Module):
             raise
         with self.telemetry.phase("grad_comm_wait"):
             self.strategy.end_backward()
-        self.window_losses.append(loss.detach())
-        self._backward_pending_step = True
+        if not self._no_sync:
+            self.window_losses.append(loss.detach())
+            self._backward_pending_step = True
         return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate this rank's gradients without reducing them;
+        the next ``backward()`` outside reduces them together with its own (DDP's and
+        DeepSpeed's ``no_sync``; several backward passes per micro-step, such as a GAN
+        discriminator's real and fake losses). ``step()`` is refused inside. Works at every
+        stage; at stages 2-3 each unit keeps a full-size gradient on every rank until that
+        reduction (DeepSpeed refuses ZeRO-2/3 here)."""
+        if self._no_sync:
+            raise RuntimeError("engine.no_sync() is already active (it does not nest)")
+        self._no_sync = True
+        self.strategy.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._no_sync = False
+            self.strategy.set_requires_gradient_sync(True)
 
     def step(self) -> None:
         """Finish the micro-step; on the accumulation boundary clip, update and schedule."""
+        if self._no_sync:
+            raise RuntimeError(
+                "step() called inside engine.no_sync(): leave the context and run the "
+                "micro-step's last backward() first, which reduces the gradients"
+            )
         if not self._backward_pending_step:
             raise RuntimeError(
                 "step() called without engine.backward(loss) for this micro-step (calling "

@@ -8,7 +8,6 @@ gradient reduction into autograd.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,6 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from zerotrain import checkpointing
+from zerotrain.comm.agreement import disagreements
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import init_distributed
@@ -63,17 +63,47 @@ def _refuse_unimplemented(cfg: ZeroTrainConfig) -> None:
 
 
 def _check_same_model(comm: Communicator, model: nn.Module) -> None:
-    """Fail fast if ranks built different models: mismatched collectives would hang."""
-    signature = "|".join(
-        f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
-        for name, p in model.named_parameters()
-    )
-    digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:6], "big")
-    high, neg_low = comm.all_reduce_floats([float(digest), -float(digest)], op="max")
-    if high != -neg_low:
+    """Fail fast, naming the parameter, if ranks built different models: mismatched
+    collectives would hang or exchange the wrong values."""
+    items = [
+        (
+            f"parameter #{k}",
+            f"'{name}' {tuple(p.shape)} {p.dtype}{'' if p.requires_grad else ' frozen'}",
+        )
+        for k, (name, p) in enumerate(model.named_parameters())
+    ]
+    differing = disagreements(comm, items)
+    if differing:
         raise RuntimeError(
-            f"rank {comm.rank}: the ranks built different models (parameter names, shapes, "
-            "dtypes or requires_grad differ); every rank must construct the same model"
+            f"rank {comm.rank}: the ranks built different models; every rank must construct "
+            "the same model. Differing (parameters in registration order):\n  "
+            + "\n  ".join(differing)
+        )
+
+
+# Config values that may differ between ranks: paths on each node's own disks.
+_PER_RANK_KEYS = frozenset({"nvme_path"})
+
+
+def _config_items(value: Any, path: str = "") -> list[tuple[str, str]]:
+    if isinstance(value, dict):
+        return [
+            item
+            for key in sorted(value)
+            if key not in _PER_RANK_KEYS
+            for item in _config_items(value[key], f"{path}.{key}" if path else key)
+        ]
+    return [(path, repr(value))]
+
+
+def _check_same_config(comm: Communicator, cfg: ZeroTrainConfig) -> None:
+    """Fail on every rank, naming the keys, if ranks were given different configs (a
+    learning rate or a batch size that differs trains silently wrong)."""
+    differing = disagreements(comm, _config_items(cfg.model_dump(mode="json")))
+    if differing:
+        raise ValueError(
+            f"rank {comm.rank}: the ranks were given different configs; every rank must use "
+            "the same one. Differing keys:\n  " + "\n  ".join(differing)
         )
 
 
@@ -156,6 +186,7 @@ def initialize(
 
     env = init_distributed()
     comm = Communicator(timeout=env.timeout, device=env.device)
+    _check_same_config(comm, cfg)
     policies = to_policies(cfg, comm.world_size)
     telemetry = telemetry_policy(cfg)
     comm.configure_logger(telemetry.comms)

@@ -46,9 +46,16 @@ class FlatOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero gradients in place. They are views into buffers the engine owns, so they are
-        never set to None (``set_to_none`` is accepted for API compatibility)."""
+        """As ``torch.optim.Optimizer.zero_grad``. The gradients are views into buffers the
+        engine owns and binds again before each step; under the engine, dropping them is
+        how the call reaches the model's parameters (gradients of backward passes outside
+        the engine, such as a GAN generator's loss reaching the discriminator, are
+        cleared)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
                     p.grad.zero_()

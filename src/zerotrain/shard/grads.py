@@ -66,7 +66,9 @@ class FullGradients:
         # param.grad must have the parameter's dtype: views only when the buffer has it.
         self.views = self.flat.dtype == buffer.dtype
         self.shard = self.flat[owned[0] : owned[1]]
-        self.bind()
+        # Gradients from before the engine existed are not part of any window.
+        for param in buffer.params:
+            param.grad = None
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +79,28 @@ class FullGradients:
         """Point every ``param.grad`` at its view of the buffer (when dtypes allow)."""
         for i, param in enumerate(self.buffer.params):
             param.grad = self.buffer.view(self.flat, i) if self.views else None
+
+    def attach(self) -> None:
+        """Before the engine's own backward: fold gradients left in ``param.grad`` by
+        backward passes outside it (and not cleared since) into the buffer, as plain PyTorch
+        would accumulate them, then let autograd accumulate into the buffer's views."""
+        if not self.views:
+            return  # autograd adds to what param.grad holds; accept() folds the sum in
+        for i, param in enumerate(self.buffer.params):
+            view = self.buffer.view(self.flat, i)
+            outside = param.grad
+            if outside is not None and outside.data_ptr() != view.data_ptr():
+                view.add_(outside)
+            param.grad = view
+
+    def detach(self) -> None:
+        """After the engine's own backward: ``param.grad`` no longer shows the buffer, so
+        gradients of other backward passes (a GAN's generator loss reaching the
+        discriminator) land in ``param.grad`` where ``zero_grad()`` can clear them, instead
+        of mixing into this window's gradients."""
+        if self.views:
+            for param in self.buffer.params:
+                param.grad = None
 
     def accept(self, index: int, staging: StagingProvider) -> None:
         """Autograd produced ``params[index]``'s gradient. It is normally already in the
@@ -131,7 +155,6 @@ class FullGradients:
     def zero(self) -> None:
         """Start a new accumulation window."""
         self.flat.zero_()
-        self.bind()
 
     def reset(self) -> None:
         """Drop whatever a failed backward pass left behind."""
@@ -201,6 +224,13 @@ class ShardedGradients:
             # The same function as for resident slices, so clipping is bitwise unchanged.
             self.sq_norm = squared_norm(self.shard)
         self._writer.put(self.swap)
+
+    def attach(self) -> None:
+        """Nothing to prepare: autograd adds to whatever ``param.grad`` holds (gradients of
+        backward passes outside the engine, not cleared since) and ``accept`` takes it."""
+
+    def detach(self) -> None:
+        """Nothing to undo: ``accept`` leaves ``param.grad`` empty."""
 
     def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staging is None:

@@ -189,6 +189,7 @@ class ShardedUnit:
         # The optimizer's gradient: the reduced slice itself, or its fp32 copy at the step
         # when gradients accumulate in a 16-bit dtype next to fp32 master weights.
         self._step_grad: torch.Tensor | None = None
+        self._pieces_bound = False  # the pieces' .grad were bound by a step
         self.state = GradState.ACCUMULATING
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
@@ -276,6 +277,7 @@ class ShardedUnit:
         for piece in self.pieces:
             start = piece.start - lo
             piece.param.grad = grad[start : start + piece.param.numel()]
+        self._pieces_bound = True
 
     def _make_pieces(self) -> tuple[OptimizerPiece, ...]:
         lo, hi = self.owned
@@ -336,6 +338,29 @@ class ShardedUnit:
 
     # -- optimizer step -------------------------------------------------------------------------
 
+    def attach_grads(self) -> None:
+        """Before the engine's own backward pass (see ``FullGradients.attach``)."""
+        self.grads.attach()
+
+    def detach_grads(self) -> None:
+        """After the engine's own backward pass, or a step that bound ``param.grad``."""
+        self.grads.detach()
+
+    def drop_outside_grads(self) -> None:
+        """Clear gradients that backward passes outside the engine left in ``param.grad``
+        (the engine's own window lives in its buffers and is kept)."""
+        for param in self.buffer.params:
+            param.grad = None
+
+    def optimizer_grads_dropped(self) -> bool:
+        """Whether the optimizer's ``zero_grad()`` cleared the pieces' ``.grad`` since the
+        last step bound them (how an ``optimizer.zero_grad()`` call is seen)."""
+        return self._pieces_bound and any(p.param.grad is None for p in self.pieces)
+
+    def forget_optimizer_grads(self) -> None:
+        """The dropped piece gradients were acted on; the next step binds them again."""
+        self._pieces_bound = False
+
     def bind_grads(self) -> None:
         """Point every ``param.grad`` at the unit's gradient (stage 0, for a user optimizer
         that steps the model's own parameters)."""
@@ -358,6 +383,7 @@ class ShardedUnit:
         self.state = GradState.ACCUMULATING
         if self._step_grad is not None:
             self._step_grad = None
+            self._pieces_bound = False  # released by us, not by an optimizer's zero_grad()
             for piece in self.pieces:
                 piece.param.grad = None
 

@@ -41,6 +41,9 @@ class GradientSynchronizer:
             finished its backward: gathers run in the same stream of collectives, and
             "all gradients arrived" differs between ranks when a parameter is unused on one
             of them, which would interleave reductions and gathers differently per rank.
+        on_outside_grad: called before a gradient produced by a backward pass other than
+            the engine's own (``begin_backward`` .. ``wait``) is accumulated into a
+            parameter; such gradients stay in ``param.grad``, as plain PyTorch keeps them.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class GradientSynchronizer:
         every_micro_step: bool,
         on_complete: Callable[[int], None] | None = None,
         launch_when_complete: bool = True,
+        on_outside_grad: Callable[[], None] | None = None,
     ) -> None:
         self.units = list(units)
         self.overlap = overlap
@@ -63,25 +67,37 @@ class GradientSynchronizer:
         self._handles: list[Handle] = []
         self._syncing = False
         self._final = False
+        self._in_backward = False  # between begin_backward and wait/abort
+        self.on_outside_grad = on_outside_grad
         self._hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
                 if unit.trainable[i]:
                     hook = functools.partial(self._on_grad, u, i)
                     self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                    self._hooks.append(param.register_hook(self._before_grad))
 
-    def begin_backward(self, boundary: bool) -> None:
-        """Arm the hooks for one backward pass (``boundary``: last micro-step of a window)."""
+    def begin_backward(self, boundary: bool, requires_sync: bool = True) -> None:
+        """Arm the hooks for one backward pass (``boundary``: last micro-step of a window;
+        ``requires_sync`` False: keep this pass's gradients on this rank, unreduced, for a
+        later pass to reduce together with its own, as DDP's ``no_sync``)."""
         invariant(not self._handles, "previous backward's reductions were never finished")
-        self._final = boundary
-        self._syncing = boundary or self.every_micro_step
+        self._final = boundary and requires_sync
+        self._syncing = requires_sync and (boundary or self.every_micro_step)
+        self._in_backward = True
         self._next = 0
         for u, unit in enumerate(self.units):
             self._remaining[u] = sum(unit.trainable)
             self._ready[u].clear()
             self._done[u] = False
 
+    def _before_grad(self, _grad: torch.Tensor) -> None:
+        if not self._in_backward and self.on_outside_grad is not None:
+            self.on_outside_grad()
+
     def _on_grad(self, u: int, i: int, _param: torch.Tensor) -> None:
+        if not self._in_backward:
+            return  # another engine's (or a plain) backward: the gradient stays in .grad
         unit = self.units[u]
         if self._syncing and u < self._next:
             name = unit.buffer.layout.params[i].fqn
@@ -119,7 +135,10 @@ class GradientSynchronizer:
             pending = [h for h in self._handles if not h.finished]
             if not pending:
                 # Every buffer is held by a unit still filling: waiting would never end.
-                log.warning("gradient staging pool grown to %d buffers", pool.count + 1)
+                # Without gradient sync every unit keeps its staged gradient until a later
+                # pass reduces it: growing is expected then.
+                report = log.warning if self._syncing else log.debug
+                report("gradient staging pool grown to %d buffers", pool.count + 1)
                 return pool.grow()
             pending[0].wait()  # its completion returns a buffer to the pool
 
@@ -146,6 +165,7 @@ class GradientSynchronizer:
         for handle in handles:
             handle.wait()
         self._syncing = False
+        self._in_backward = False
 
     def end_backward(self) -> None:
         """``launch_remaining`` then ``wait``."""
@@ -162,6 +182,7 @@ class GradientSynchronizer:
                 handle.wait()
         finally:
             self._syncing = False
+            self._in_backward = False
             for unit in self.units:
                 unit.reset()
 

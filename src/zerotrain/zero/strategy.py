@@ -127,10 +127,12 @@ class ZeroStrategy:
             every_micro_step=zero.shard_gradients,
             on_complete=self._unit_complete if self.gatherer is not None else None,
             launch_when_complete=self.gatherer is None,
+            on_outside_grad=self._drop_outside_grads_if_zeroed,
         )
         if self.gatherer is not None:
             self.gatherer.on_backward_done = self.sync.mark_done
         self._boundary = False
+        self._requires_sync = True
         self._used: tuple[torch.Tensor, Handle] | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
         # Elements changed outside the optimizer per unit, kept as device tensors until the
@@ -177,10 +179,31 @@ class ZeroStrategy:
 
     # -- backward -------------------------------------------------------------------------------
 
+    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        """Whether the next backward passes reduce gradients across ranks (the knob torch's
+        pipelining sets on FSDP2). False: each pass accumulates this rank's gradients
+        locally (stages 2-3 keep a full-size staged gradient per unit for that), and the
+        next pass with sync reduces all of them at once: one reduction per window instead
+        of one per pass."""
+        self._requires_sync = requires_sync
+
     def begin_backward(self, boundary: bool) -> None:
         """Before autograd runs for one micro-step."""
-        self._boundary = boundary
-        self.sync.begin_backward(boundary)
+        self._boundary = boundary and self._requires_sync
+        self._drop_outside_grads_if_zeroed()
+        for unit in self.units:
+            unit.attach_grads()
+        self.sync.begin_backward(boundary, requires_sync=self._requires_sync)
+
+    def _drop_outside_grads_if_zeroed(self) -> None:
+        # Gradients of backward passes outside the engine stay in param.grad, where
+        # model.zero_grad() clears them as in plain PyTorch. The optimizer returned by
+        # initialize holds this rank's pieces instead of the parameters: its zero_grad()
+        # shows as dropped piece gradients, and means the same for the parameters.
+        if any(unit.optimizer_grads_dropped() for unit in self.units):
+            for unit in self.units:
+                unit.drop_outside_grads()
+                unit.forget_optimizer_grads()
 
     def _unit_complete(self, u: int) -> None:
         # Every gradient of the unit is accumulated, so autograd is done with its parameters
@@ -200,20 +223,26 @@ class ZeroStrategy:
             # the gradient reductions instead of adding a round trip to the step.
             self._used = self._exchange_used()
         self.sync.wait()
+        for unit in self.units:
+            unit.detach_grads()
 
     def abort_backward(self) -> None:
         """After autograd raised: discard the current window's gradients."""
         try:
             self.sync.abort()
         finally:
+            for unit in self.units:
+                unit.detach_grads()
             if self.gatherer is not None:
                 self.gatherer.free_all()
                 self.gatherer.end_backward()
 
     def zero_grads(self) -> None:
-        """Zero every gradient in place (reduction state is kept)."""
+        """Zero every gradient in place (reduction state is kept), and clear what backward
+        passes outside the engine left in ``param.grad``."""
         for unit in self.units:
             unit.grads.zero_values()
+            unit.drop_outside_grads()
 
     # -- optimizer step -------------------------------------------------------------------------
 
@@ -396,6 +425,8 @@ class ZeroStrategy:
                 for unit, index in unused:
                     unit.buffer.params[index].grad = None  # torch skips it, as without zerotrain
                 optimizer.step()
+                for unit in self.units:
+                    unit.detach_grads()
             else:
                 self._bind_optimizer_grads()
                 untouched = (
