@@ -1,0 +1,125 @@
+"""The layer rules of docs/architecture.md, checked from the import graph of src/zerotrain.
+
+A rule written only in prose drifts (the architecture page said for weeks that ``shard``
+never imports ``zero``). Known violations are listed with the file that holds them; the
+layer clean-up of the composable-core issue removes them, and the test then fails until
+the exception is deleted here too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "zerotrain"
+
+# Modules that may import torch.distributed, each with its reason.
+DISTRIBUTED_ALLOWED = {
+    "comm/": "the communication layer: the only caller of torch.distributed",
+    "testing/dist.py": "spawns ranks and owns the rendezvous store for tests",
+    "cli/bootstrap.py": "torchrun's error recorder around the user's script",
+    "cli/run.py": "the launcher runs torchrun itself",
+}
+
+# package -> packages it must never import (DESIGN.md §2, "knows nothing of").
+FORBIDDEN = {
+    "config": {
+        "comm",
+        "shard",
+        "zero",
+        "precision",
+        "offload",
+        "optim",
+        "engine",
+        "checkpoint",
+        "parallel",
+        "cli",
+    },
+    "comm": {
+        "shard",
+        "zero",
+        "precision",
+        "offload",
+        "optim",
+        "engine",
+        "checkpoint",
+        "parallel",
+        "cli",
+        "config",
+    },
+    "parallel": {"zero", "shard", "offload", "engine", "checkpoint", "cli"},
+    "shard": {"engine", "checkpoint", "cli", "zero"},
+    "optim": {"comm", "shard", "zero", "engine", "checkpoint", "cli", "parallel"},
+    "precision": {"comm", "shard", "zero", "engine", "checkpoint", "cli"},
+    "utils": {"comm", "shard", "zero", "engine", "checkpoint", "cli", "config", "optim"},
+    "checkpoint": {"cli", "engine"},
+    "zero": {"engine", "checkpoint", "cli"},
+}
+
+# (importing file, imported package): violations that exist today, to be removed.
+KNOWN_VIOLATIONS = {
+    ("shard/unit.py", "zero"),  # ZeroPolicy: move it below shard or pass its booleans
+    ("checkpoint/save.py", "engine"),  # typed on Engine: take a state protocol instead
+    ("checkpoint/load.py", "engine"),
+    ("checkpoint/regions.py", "engine"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _sources() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def _relative(path: Path) -> str:
+    return path.relative_to(SRC).as_posix()
+
+
+def test_only_comm_imports_torch_distributed() -> None:
+    offenders = []
+    for path in _sources():
+        rel = _relative(path)
+        uses = any(
+            n == "torch.distributed" or n.startswith("torch.distributed.") for n in _imports(path)
+        ) or "torch.distributed." in path.read_text().replace("``torch.distributed.", "")
+        if uses and not any(rel.startswith(prefix) for prefix in DISTRIBUTED_ALLOWED):
+            offenders.append(rel)
+    assert not offenders, f"torch.distributed outside comm/: {offenders}"
+
+
+def test_layers_import_only_what_they_may() -> None:
+    found = set()
+    for path in _sources():
+        rel = _relative(path)
+        package = rel.split("/")[0].removesuffix(".py")
+        for name in _imports(path):
+            parts = name.split(".")
+            if (
+                parts[0] == "zerotrain"
+                and len(parts) > 1
+                and parts[1] in FORBIDDEN.get(package, ())
+            ):
+                found.add((rel, parts[1]))
+    new = found - KNOWN_VIOLATIONS
+    assert not new, f"imports against the layer rules (docs/architecture.md): {sorted(new)}"
+    fixed = {v for v in KNOWN_VIOLATIONS if v not in found}
+    assert not fixed, f"fixed, so delete them from KNOWN_VIOLATIONS: {sorted(fixed)}"
+
+
+@pytest.mark.parametrize("helper", ["broadcast_without_engine"])
+def test_default_group_helpers_are_not_spreading(helper: str) -> None:
+    # It bypasses the communicator (no stats, no signatures, the default group); it goes
+    # away with the process-group plumbing. No new callers meanwhile.
+    users = {_relative(p) for p in _sources() if helper in p.read_text()}
+    assert users <= {"comm/collectives.py", "zero/init.py", "zero/gathered.py"}, users
