@@ -389,3 +389,23 @@ def test_zero_grad_set_to_none_between_steps_loses_nothing(stage, user_optimizer
     got = run_distributed(_user_zero_grad, 2, stage, user_optimizer)[0]
     ref = train_reference(RunSpec(steps=3, grad_accum=2, opt_params=ADAMW), 2)
     assert_matches(got, {**ref, "losses": [0.0]})
+
+
+def _ranks() -> tuple[int, ...]:
+    engine, _, _, _ = zerotrain.initialize(
+        model=torch.nn.Linear(4, 2), config={"train_batch_size": 2 * dist.get_world_size()}
+    )
+    return (
+        engine.global_rank,
+        engine.world_size,
+        engine.dp_rank,
+        engine.dp_world_size,
+        engine.pp_rank,
+        engine.tp_rank,
+        engine.sp_rank,
+    )
+
+
+def test_rank_accessors_follow_the_grid():
+    # Without pipeline/tensor/sequence parallelism the data axis is the whole job.
+    assert run_distributed(_ranks, 2) == [(0, 2, 0, 2, 0, 0, 0), (1, 2, 1, 2, 0, 0, 0)]

@@ -463,3 +463,35 @@ def test_errors_say_a_path_came_from_the_command_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(None, argv=["--config", str(path)])
     assert "from --config on the command line" in str(info.value)
+
+
+def test_grid_sizes_come_from_the_config_and_above_one_are_refused_by_name():
+    from zerotrain.config.features import pipeline_stages, tensor_parallel_size
+
+    plain = load_config({"train_batch_size": 2})
+    assert (pipeline_stages(plain), tensor_parallel_size(plain), plain.sequence_parallel_size) == (
+        1,
+        1,
+        1,
+    )
+    grid = load_config(
+        {
+            "train_batch_size": 2,
+            "sequence_parallel_size": 2,
+            "tensor_parallel": {"autotp_size": 2},
+            "pipeline": {"stages": 4},
+        }
+    )
+    assert (pipeline_stages(grid), tensor_parallel_size(grid), grid.sequence_parallel_size) == (
+        4,
+        2,
+        2,
+    )
+    found = "\n".join(not_implemented(grid))
+    assert "sequence_parallel_size=2: sequence parallelism" in found
+    assert "tensor_parallel (size 2)" in found
+    assert "pipeline" in found
+    with pytest.raises(ValueError, match=r"pipeline.stages=0: must be an integer >= 1"):
+        pipeline_stages(load_config({"train_batch_size": 2, "pipeline": {"stages": 0}}))
+    with pytest.raises(ConfigError, match="sequence_parallel_size"):
+        load_config({"train_batch_size": 2, "sequence_parallel_size": 0})

@@ -148,10 +148,28 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         section = getattr(cfg, name)
         if section is not None and _loose_enabled(name, section):
             found.append(f"{name}: {name.replace('_', ' ')}")
-    tp_size = 1 if cfg.tensor_parallel is None else _tensor_parallel_size(cfg.tensor_parallel)
+    tp_size = tensor_parallel_size(cfg)
     if tp_size > 1:
         found.append(f"tensor_parallel (size {tp_size}): tensor parallelism")
+    if cfg.sequence_parallel_size > 1:
+        found.append(f"sequence_parallel_size={cfg.sequence_parallel_size}: sequence parallelism")
     return found
+
+
+def tensor_parallel_size(cfg: ZeroTrainConfig) -> int:
+    """The tensor-parallel degree the config asks for (1 without the section)."""
+    return 1 if cfg.tensor_parallel is None else _tensor_parallel_size(cfg.tensor_parallel)
+
+
+def pipeline_stages(cfg: ZeroTrainConfig) -> int:
+    """The pipeline stages the config asks for (``pipeline.stages``; 1 without it)."""
+    extra = {} if cfg.pipeline is None else (cfg.pipeline.model_extra or {})
+    stages = extra.get("stages", 1)
+    if stages == "auto":
+        return 1
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f'pipeline.stages={stages!r}: must be an integer >= 1 (or "auto")')
+    return stages
 
 
 def inert_keys(cfg: ZeroTrainConfig) -> list[str]:

@@ -282,6 +282,9 @@ class ZeroTrainConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
 
+    # Ulysses sequence-parallel degree (DeepSpeed's key); the grid's sequence axis.
+    sequence_parallel_size: PositiveInt = 1
+
     # Features zerotrain does not implement (yet): accepted, reported when enabled.
     amp: LooseSection | None = None
     pipeline: LooseSection | None = None

@@ -36,9 +36,11 @@ from zerotrain.config.policies import PrecisionPolicy, TrainingPolicy
 from zerotrain.engine.accounting import MemoryBreakdown, memory_breakdown
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.optimizers import EngineOptimizer
+from zerotrain.engine.ranks import RankQueries
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.estimate import MemoryEstimate
 from zerotrain.optim.clip import clip_coefficient
+from zerotrain.parallel.topology import Topology
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
@@ -56,7 +58,7 @@ _RELEASED_IN_BACKWARD = (
 )
 
 
-class Engine(nn.Module):
+class Engine(RankQueries, nn.Module):
     """Wraps a model for data-parallel training; built by :func:`zerotrain.initialize`.
 
     Attributes:
@@ -80,11 +82,13 @@ class Engine(nn.Module):
         precision: PrecisionPolicy | None = None,
         telemetry: TelemetryPolicy | None = None,
         memory_estimate: MemoryEstimate | None = None,
+        topology: Topology | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.env = env
         self.comm = comm
+        self.topology = topology or Topology(data=comm.world_size)
         self.policy = policy
         self.strategy = strategy
         self.optimizer = optimizer.optimizer
@@ -269,21 +273,6 @@ class Engine(nn.Module):
         self.strategy.zero_grads()
 
     # -- queries --------------------------------------------------------------------------------
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the data-parallel group."""
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of data-parallel ranks."""
-        return self.comm.world_size
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        return self.env.local_rank
 
     @property
     def device(self) -> torch.device:

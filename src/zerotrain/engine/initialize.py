@@ -21,7 +21,12 @@ from zerotrain.comm.agreement import disagreements
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import init_distributed
-from zerotrain.config.features import inert_keys, not_implemented
+from zerotrain.config.features import (
+    inert_keys,
+    not_implemented,
+    pipeline_stages,
+    tensor_parallel_size,
+)
 from zerotrain.config.loader import load_config
 from zerotrain.config.policies import ActivationCheckpointingPolicy, to_policies
 from zerotrain.config.schema import ZeroTrainConfig
@@ -31,6 +36,7 @@ from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
 from zerotrain.offload.manager import Offload
+from zerotrain.parallel.topology import Topology
 from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
 from zerotrain.zero.init import deferred_values, materialize
@@ -187,6 +193,14 @@ def initialize(
     env = init_distributed()
     comm = Communicator(timeout=env.timeout, device=env.device)
     _check_same_config(comm, cfg)
+    # Degrees above 1 are refused by _refuse_unimplemented until their issues land: the
+    # data axis is the whole world for now.
+    topology = Topology.from_world(
+        env.world_size,
+        pipe=pipeline_stages(cfg),
+        tensor=tensor_parallel_size(cfg),
+        sequence=cfg.sequence_parallel_size,
+    )
     policies = to_policies(cfg, comm.world_size)
     telemetry = telemetry_policy(cfg)
     comm.configure_logger(telemetry.comms)
@@ -273,6 +287,7 @@ def initialize(
         precision,
         telemetry,
         estimate,
+        topology,
     )
     engine.training_dataloader = loader
     engine.checkpointed_blocks = wrapped_blocks
