@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[2] / "src" / "zerotrain"
 
 # Modules that may import torch.distributed, each with its reason.
@@ -117,9 +115,13 @@ def test_layers_import_only_what_they_may() -> None:
     assert not fixed, f"fixed, so delete them from KNOWN_VIOLATIONS: {sorted(fixed)}"
 
 
-@pytest.mark.parametrize("helper", ["broadcast_without_engine"])
-def test_default_group_helpers_are_not_spreading(helper: str) -> None:
-    # It bypasses the communicator (no stats, no signatures, the default group); it goes
-    # away with the process-group plumbing. No new callers meanwhile.
-    users = {_relative(p) for p in _sources() if helper in p.read_text()}
-    assert users <= {"comm/collectives.py", "zero/init.py", "zero/gathered.py"}, users
+def test_nothing_uses_the_default_group_implicitly() -> None:
+    # Every collective goes through a Communicator over a group passed in explicitly; a
+    # helper on the default group bypasses stats and signature checks, and under a grid
+    # reaches ranks that hold other parameters.
+    users = {
+        _relative(p)
+        for p in _sources()
+        if "broadcast_without_engine" in p.read_text() or "group=None" in p.read_text()
+    }
+    assert not users, users

@@ -569,12 +569,3 @@ class Communicator:
                 dist.barrier(group=self.group)
         except Exception as exc:
             raise CollectiveError(_failure_message(f"rank {self.rank}: barrier", exc)) from exc
-
-
-def broadcast_without_engine(tensors: Sequence[torch.Tensor], src: int) -> None:
-    """Copy rank ``src``'s ``tensors`` to every rank of the default group (a no-op without
-    one), for callers that have no :class:`Communicator`."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for tensor in tensors:
-        dist.broadcast(tensor, src=src)

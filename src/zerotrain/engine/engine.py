@@ -40,7 +40,7 @@ from zerotrain.engine.ranks import RankQueries
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.estimate import MemoryEstimate
 from zerotrain.optim.clip import clip_coefficient
-from zerotrain.parallel.topology import Topology
+from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
@@ -82,13 +82,15 @@ class Engine(RankQueries, nn.Module):
         precision: PrecisionPolicy | None = None,
         telemetry: TelemetryPolicy | None = None,
         memory_estimate: MemoryEstimate | None = None,
-        topology: Topology | None = None,
+        *,
+        groups: ProcessGroups,
     ) -> None:
         super().__init__()
         self.module = module
         self.env = env
-        self.comm = comm
-        self.topology = topology or Topology(data=comm.world_size)
+        self.comm = comm  # the ZeRO (data x sequence) communicator
+        self.groups = groups
+        self.topology = self.groups.topology
         self.policy = policy
         self.strategy = strategy
         self.optimizer = optimizer.optimizer
@@ -315,12 +317,13 @@ class Engine(RankQueries, nn.Module):
         return self.policy.stage
 
     def comm_stats(self) -> CommSnapshot:
-        """Collectives issued since start-up (or the last reset), by op and purpose."""
-        return self.comm.snapshot()
+        """Collectives issued since start-up (or the last reset), by op and purpose, over
+        every communicator of the grid."""
+        return self.groups.snapshot()
 
     def reset_comm_stats(self) -> None:
         """Restart the collective counters."""
-        self.comm.stats.reset()
+        self.groups.reset_stats()
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes this rank holds for model states, by category."""

@@ -9,6 +9,14 @@ again and prefetches the unit that ran before it. The unit is freed once autogra
 accumulated every one of its gradients (all uses done), and at the latest at the end of
 backward. Units below the persistence threshold are gathered once and kept.
 
+Backward bookkeeping is kept per forward pass (one micro-batch), so the forwards of several
+micro-batches may be outstanding before their backwards (a pipeline's 1F1B order): a unit
+is freed as soon as one pass's backward is done with it (a later use gathers it again), and
+its reduction is launched once every outstanding pass is done with it. A backward retires
+the passes it reached; passes no backward reached are dropped at the optimizer step.
+With ``reshard_after_backward`` off, units gathered for backward stay gathered (no gather
+for the next micro-batch) until a backward with it on ends, or the optimizer step.
+
 Every gather is counted per unit and folded into a fingerprint of the sequence; the strategy
 compares fingerprints across ranks at each accumulation boundary, so ranks that gathered
 different units (one skipped a block) fail with an error naming the unit instead of
@@ -32,7 +40,7 @@ from zerotrain.config.policies import Stage3Policy
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import invariant
-from zerotrain.zero.gathered import HOME
+from zerotrain.zero.homes import Home, register, unregister
 
 _HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
 
@@ -67,6 +75,16 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclasses.dataclass(eq=False)  # passes are told apart by identity
+class ForwardPass:
+    """The backward bookkeeping of one forward pass (a micro-batch): per unit, the calls
+    whose inputs carry a post-backward signal, and the signals received so far."""
+
+    calls: list[int]
+    signals: list[int]
+    reached: bool = False  # a signal arrived: the backward that retires it has begun
+
+
 class ParamGatherer:
     """Drives gathering and freeing of stage-3 units from module hooks.
 
@@ -97,13 +115,16 @@ class ParamGatherer:
         self._in_forward = 0
         self.counts = [0] * len(self.units)
         self.sequence_hash = 0
-        # Backward bookkeeping: calls whose inputs carry a post-backward signal, the signals
-        # received, and the callback told when a unit's backward is over (on every rank at
-        # the same point of the same graph, unlike "every gradient arrived", which a
-        # parameter unused on one rank changes).
-        self._calls = [0] * len(self.units)
-        self._signals = [0] * len(self.units)
+        # Backward bookkeeping: the forward passes whose backward has not run, the pass the
+        # current forward records into, and the callback told when a unit's backward is
+        # over for every outstanding pass (on every rank at the same point of the same
+        # graph, unlike "every gradient arrived", which a parameter unused on one rank
+        # changes).
+        self._passes: list[ForwardPass] = []
+        self._recording: ForwardPass | None = None
         self.on_backward_done: Callable[[int], None] | None = None
+        self.reshard_after_backward = True
+        self._held: set[int] = set()  # gathered for backward, kept (reshard_after_backward off)
         self.live_bytes = 0
         self.peak_bytes = 0
         # NVMe parameter offload: shards of this many units beyond the prefetched ones are
@@ -123,8 +144,7 @@ class ParamGatherer:
         root_post = functools.partial(self._root_post, root_unit)
         self._hooks.append(root.register_forward_hook(root_post, always_call=True))
         for u, storage in enumerate(self._storage):
-            for param in storage.params:
-                setattr(param, HOME, (self, u))  # found by GatheredParameters
+            register(list(storage.params), Home(comm, self, u))  # for GatheredParameters
         for u, unit in enumerate(self.units):
             if unit.numel < policy.persistence_threshold:
                 unit.persistent = True
@@ -186,15 +206,22 @@ class ParamGatherer:
         self._pins[u] -= 1
 
     def free(self, u: int) -> None:
-        """Release unit ``u``'s gathered parameters (persistent and pinned units stay)."""
+        """Release unit ``u``'s gathered parameters (persistent, pinned and held units
+        stay)."""
         storage = self._storage[u]
-        if self.units[u].persistent or self._pins[u] or not storage.gathered:
+        if self.units[u].persistent or self._pins[u] or u in self._held or not storage.gathered:
             return
         handle = self._pending.pop(u, None)
         if handle is not None:
             handle.wait()  # never drop a buffer a collective still writes into
         storage.free()
         self.live_bytes -= storage.full_nbytes
+
+    def release_held(self) -> None:
+        """Release the units kept gathered by backward passes without resharding."""
+        held, self._held = self._held, set()
+        for u in held:
+            self.free(u)
 
     def free_all(self) -> None:
         """Release every non-persistent unit (end of backward, or after an error)."""
@@ -258,26 +285,65 @@ class ParamGatherer:
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not where:
             return None  # no signal from this call: its unit is done at the end of backward
-        self._calls[u] += 1
+        record = self._recording
+        if record is None:  # a unit called outside the model's forward: a pass of its own
+            record = self._new_pass()
+        record.calls[u] += 1
         marked = _PostBackward.apply(
-            functools.partial(self._post_backward, u), *[flat[i] for i in where]
+            functools.partial(self._post_backward, record, u), *[flat[i] for i in where]
         )
         for i, tensor in zip(where, marked, strict=True):
             flat[i] = tensor
         new_args, new_kwargs = tree_unflatten(flat, spec)
         return new_args, new_kwargs
 
-    def _post_backward(self, u: int) -> None:
-        self._signals[u] += 1
-        if self._signals[u] == self._calls[u]:
-            self.free(u)
-            if self.on_backward_done is not None:
-                self.on_backward_done(u)
+    def _new_pass(self) -> ForwardPass:
+        record = ForwardPass([0] * len(self.units), [0] * len(self.units))
+        self._passes.append(record)
+        return record
+
+    def _post_backward(self, record: ForwardPass, u: int) -> None:
+        if record not in self._passes:
+            return  # a pass retired already (a graph kept with retain_graph, run again)
+        record.reached = True
+        record.signals[u] += 1
+        if record.signals[u] != record.calls[u]:
+            return
+        # This pass is done with the unit: free it (another outstanding pass gathers it
+        # again if it needs it). Its reduction waits until every outstanding pass is done:
+        # a later pass of the same backward may still add gradients to it.
+        self.free(u)
+        if self.on_backward_done is not None and all(
+            p.signals[u] == p.calls[u] for p in self._passes
+        ):
+            self.on_backward_done(u)
 
     def end_backward(self) -> None:
-        """The backward pass is over: forget its calls and signals."""
-        self._calls = [0] * len(self.units)
-        self._signals = [0] * len(self.units)
+        """The backward pass is over: retire the forward passes it reached (the others
+        stay outstanding for a later backward) and release what it gathered, unless
+        ``reshard_after_backward`` is off."""
+        self._passes = [p for p in self._passes if not p.reached]
+        if self.reshard_after_backward:
+            self._held.clear()
+            self.free_all()
+
+    def abort_backward(self) -> None:
+        """After autograd raised: forget every outstanding pass and release everything."""
+        self._passes.clear()
+        self._held.clear()
+        self.free_all()
+
+    def end_window(self) -> None:
+        """The optimizer step: forward passes no backward reached are dropped (their
+        graphs cannot feed this window's gradients any more), and held units released
+        (the step changes the shards they were gathered from)."""
+        self._passes.clear()
+        self.release_held()
+
+    @property
+    def outstanding_passes(self) -> int:
+        """Forward passes whose backward has not run yet."""
+        return len(self._passes)
 
     def _post(self, u: int, _module: nn.Module, _args: Any, output: Any) -> None:
         if torch._C._current_autograd_node() is not None:
@@ -298,6 +364,11 @@ class ParamGatherer:
         self._in_forward += 1
         if self._in_forward == 1:
             self._current = []
+            self._recording = (
+                self._new_pass()
+                if torch.is_grad_enabled() and torch._C._current_autograd_node() is None
+                else None
+            )
         return self._pre(u, module, args, kwargs) if u is not None else None
 
     def _root_post(self, u: int | None, module: nn.Module, args: Any, output: Any) -> None:
@@ -305,12 +376,17 @@ class ParamGatherer:
         if u is not None:
             self._post(u, module, args, output)
         if self._in_forward == 0:
+            recorded, self._recording = self._recording, None
+            if recorded is not None and not any(recorded.calls):
+                self._passes.remove(recorded)  # nothing to signal: no backward reaches it
             if not any(self._pins):  # a pass inside GatheredParameters may run on one rank
                 self._trace = self._current
             self.free_all()  # prefetched units the pass did not use after all
 
     def _pre_backward(self, u: int, _grad: Any) -> None:
         self.fetch(u)
+        if not self.reshard_after_backward and not self.units[u].persistent:
+            self._held.add(u)
         self._prefetch(self._after_in_trace(u, -1))
 
     # -- fingerprint ----------------------------------------------------------------------------
@@ -330,6 +406,4 @@ class ParamGatherer:
             hook.remove()
         self._hooks.clear()
         for storage in self._storage:
-            for param in storage.params:
-                if hasattr(param, HOME):
-                    delattr(param, HOME)
+            unregister(list(storage.params))
