@@ -1,4 +1,5 @@
-"""The only module that calls ``torch.distributed`` collectives.
+"""The only module that calls ``torch.distributed`` collectives (with ``p2p.py``, which issues
+the point-to-point batches the :class:`Communicator` hands it).
 
 Every call goes through a :class:`Communicator`, which counts it in :class:`CommStats`, times
 it when the comms logger profiles it (see ``comms_logger.py``), and turns a failure (a peer
@@ -514,7 +515,11 @@ class Communicator:
         label: str | None = None,
         async_op: bool = False,
     ) -> Handle:
-        """Send ``tensor`` to rank ``dst`` of this group (see :meth:`exchange`).
+        """Send ``tensor`` (contiguous) to rank ``dst`` of this group: a one-op
+        :meth:`exchange`, matched with the peer's ``recv`` by the header check.
+
+        Returns:
+            A :class:`Handle` (waited on unless ``async_op``).
 
         Raises:
             ValueError / CollectiveError: as for :meth:`exchange`.
@@ -532,7 +537,11 @@ class Communicator:
         label: str | None = None,
         async_op: bool = False,
     ) -> Handle:
-        """Receive into ``tensor`` from rank ``src`` of this group (see :meth:`exchange`).
+        """Receive into ``tensor`` (contiguous, the sent shape and dtype) from rank ``src``
+        of this group: a one-op :meth:`exchange`.
+
+        Returns:
+            A :class:`Handle`; read ``tensor`` after its ``wait()``.
 
         Raises:
             ValueError / CollectiveError: as for :meth:`exchange`.

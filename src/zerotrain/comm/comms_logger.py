@@ -1,4 +1,4 @@
-"""The comms logger: latency and bandwidth of each collective, fed by ``collectives.py`` and ``p2p.py``.
+"""The comms logger: latency and bandwidth of each collective, fed by collectives and p2p.
 
 ``CommStats`` counts every collective (calls and bytes in the ZeRO paper's volume model);
 this module adds *time*, when a :class:`CommsLoggerPolicy` enables it (DeepSpeed's
