@@ -29,6 +29,18 @@ def test_collectives_over_one_rank_are_copies_and_are_counted():
     assert (comm.rank, comm.world_size, comm.backend) == (0, 1, "local")
 
 
+def test_all_to_all_is_a_copy_and_point_to_point_has_no_peer():
+    comm = LocalCommunicator(torch.device("cpu"))
+    rows = torch.arange(6.0).view(3, 2)
+    out = torch.zeros(3, 2)
+    comm.all_to_all(out, rows, input_split_sizes=[3], output_split_sizes=[3], purpose="data")
+    assert torch.equal(out, rows)
+    with pytest.raises(ValueError, match="only split"):
+        comm.all_to_all(out, rows, input_split_sizes=[1, 2], purpose="data")
+    with pytest.raises(ValueError, match="no other rank"):
+        comm.send(rows, 0, purpose="activations")
+
+
 def test_a_broadcast_from_another_rank_is_refused():
     with pytest.raises(ValueError, match="group of one rank"):
         LocalCommunicator(torch.device("cpu")).broadcast(torch.zeros(1), src=1, purpose="init")

@@ -9,11 +9,11 @@ comms logger, so code and accounting stay the same whatever the group's size.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from zerotrain.comm.collectives import Communicator, Handle
+from zerotrain.comm.collectives import Communicator, Handle, P2POp
 from zerotrain.comm.comms_logger import CommsLogger
 from zerotrain.comm.stats import CommStats
 
@@ -117,6 +117,46 @@ class LocalCommunicator(Communicator):
         if src != 0:
             raise ValueError(f"broadcast from rank {src} in a group of one rank (only 0)")
         return self._local("broadcast", purpose, tensor, None, None, None, f"(from {src})")
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        purpose: str,
+        label: str | None = None,
+        async_op: bool = False,
+        on_done: Callable[[], None] | None = None,
+    ) -> Handle:
+        """Every row goes to this rank: ``output`` receives ``input``."""
+        for name, splits in (("input", input_split_sizes), ("output", output_split_sizes)):
+            if splits is not None and list(splits) != [input.shape[0]]:
+                raise ValueError(
+                    f"all_to_all over one rank: {name}_split_sizes={list(splits)}, but the "
+                    f"only split must hold all {input.shape[0]} rows"
+                )
+        if output.shape != input.shape:
+            raise ValueError(
+                f"all_to_all over one rank: output {tuple(output.shape)} must have the "
+                f"shape of input {tuple(input.shape)}"
+            )
+
+        def copy() -> None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+
+        return self._local("all_to_all", purpose, input, copy, on_done, label)
+
+    def exchange(self, ops: Sequence[P2POp], *, async_op: bool = False) -> Handle:
+        """There is no peer in a group of one rank: any send or receive is refused."""
+        if ops:
+            raise ValueError(
+                f"{ops[0].kind} with peer {ops[0].peer} in a group of one rank: there is no "
+                "other rank to exchange with"
+            )
+        return Handle(None, lambda: "empty exchange")
 
     def barrier(self) -> None:
         """Nobody else to wait for."""
