@@ -128,9 +128,7 @@ def _load_params(engine: Engine, reader: CheckpointReader) -> None:
                     saved = reader.covers("master", source, span.lo, span.hi)
                     reader.read_into("master" if saved else "param", source, span.lo, out)
                 unit.publish()
-    handles = [h for h in (unit.gather() for unit in engine.strategy.units) if h is not None]
-    for handle in handles:
-        handle.wait()
+    engine.strategy.refresh_params()
     with torch.no_grad():
         for name, param in regions.loose_parameters(engine):
             if (source := reader.stored_name(name)) is not None:

@@ -112,6 +112,9 @@ class Engine(RankQueries, nn.Module):
         # initialize checkpointed the model's blocks (config activation_checkpointing.
         # block_types): destroy() undoes it.
         self.checkpointed_blocks = False
+        # The activation-checkpointing settings, buffers and counters of this engine,
+        # active while it runs forward and backward (initialize sets them from the config).
+        self.activation_checkpointing = checkpointing.default_context()
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -134,7 +137,7 @@ class Engine(RankQueries, nn.Module):
         if dtype is not None and self.precision.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), dtype)
         self.telemetry.before_forward(self)
-        with self.telemetry.phase("forward"):
+        with self.telemetry.phase("forward"), self.activation_checkpointing.active():
             return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -175,7 +178,7 @@ class Engine(RankQueries, nn.Module):
             scaled = loss / divisor if divisor > 1 else loss
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
         try:
-            with self.telemetry.phase("backward"):
+            with self.telemetry.phase("backward"), self.activation_checkpointing.active():
                 scaled.backward(retain_graph=retain_graph)
         except BaseException as exc:
             self.strategy.abort_backward()

@@ -152,20 +152,23 @@ def _check_not_wrapped(model: nn.Module) -> None:
 
 def _setup_activation_checkpointing(
     model: nn.Module, policy: ActivationCheckpointingPolicy | None, device: torch.device
-) -> bool:
-    """Apply the config's ``activation_checkpointing``; returns whether blocks were wrapped."""
+) -> tuple[checkpointing.CheckpointingContext, bool]:
+    """Apply the config's ``activation_checkpointing``; returns the engine's checkpointing
+    context and whether blocks were wrapped."""
     if policy is None:
-        return False  # the section is absent: keep what checkpointing.configure() set
-    checkpointing.configure(policy)
+        # The section is absent: share the process default (what checkpointing.configure()
+        # sets by hand).
+        return checkpointing.default_context(), False
+    context = checkpointing.CheckpointingContext(policy)
     if policy.cpu_checkpointing and device.type == "cpu":
         log.info(
             "config: activation_checkpointing.cpu_checkpointing has no effect: the device is "
             "the CPU, where checkpoint inputs live already"
         )
     if policy.block_types is None:
-        return False
+        return context, False
     checkpointing.apply(model, policy.block_types)
-    return True
+    return context, True
 
 
 def initialize(
@@ -254,7 +257,7 @@ def initialize(
         for tensor in [*model.buffers(), *(p for p in model.parameters() if not p.is_meta)]:
             tensor.data = tensor.data.to(env.device)
     _check_not_wrapped(model)
-    wrapped_blocks = _setup_activation_checkpointing(
+    checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
         model, policies.activation_checkpointing, env.device
     )
     with torch.no_grad():
@@ -331,6 +334,7 @@ def initialize(
     )
     engine.training_dataloader = loader
     engine.checkpointed_blocks = wrapped_blocks
+    engine.activation_checkpointing = checkpoint_context
     batch = policies.training.batch
     log.info(
         "initialized: ZeRO stage %d, %s, %d rank(s) (%s), %d parameters in %d unit(s), "

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm.collectives import Communicator, Handle
@@ -40,24 +39,12 @@ from zerotrain.config.policies import Stage3Policy
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.torch_compat import in_backward, tree_flatten, tree_unflatten
+from zerotrain.utils.tree import tensors_in
 from zerotrain.zero.homes import Home, register, unregister
+from zerotrain.zero.issue import issue
 
 _HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a module's output (tensors, sequences, mappings, dataclasses)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict) or hasattr(value, "items"):
-        for item in value.values():
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _tensors(getattr(value, field.name))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -109,7 +96,6 @@ class ParamGatherer:
         self.policy = policy
         self._storage = [self._partitioned(u) for u in self.units]
         self._pending: dict[int, Handle] = {}
-        self._pins = [0] * len(self.units)  # GatheredParameters blocks holding each unit
         self._trace: list[int] = []  # units in the order the previous forward pass used them
         self._current: list[int] = []
         self._in_forward = 0
@@ -125,6 +111,7 @@ class ParamGatherer:
         self.on_backward_done: Callable[[int], None] | None = None
         self.reshard_after_backward = True
         self._held: set[int] = set()  # gathered for backward, kept (reshard_after_backward off)
+        self._user_pins = 0  # GatheredParameters blocks open
         self.live_bytes = 0
         self.peak_bytes = 0
         # NVMe parameter offload: shards of this many units beyond the prefetched ones are
@@ -147,8 +134,9 @@ class ParamGatherer:
             register(list(storage.params), Home(comm, self, u))  # for GatheredParameters
         for u, unit in enumerate(self.units):
             if unit.numel < policy.persistence_threshold:
-                unit.persistent = True
                 self._issue(u, count=False).wait()
+                self._pending.pop(u)
+                self._storage[u].make_persistent()
 
     @staticmethod
     def _partitioned(unit: ShardedUnit) -> PartitionedParams:
@@ -159,7 +147,7 @@ class ParamGatherer:
 
     def _issue(self, u: int, count: bool = True) -> Handle:
         storage = self._storage[u]
-        handle = storage.gather(self.comm, self.units[u].label)
+        handle = issue(self.comm, storage.unshard(self.units[u].label))
         self._pending[u] = handle
         self.live_bytes += storage.full_nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -198,22 +186,23 @@ class ParamGatherer:
     def pin(self, u: int) -> None:
         """Gather unit ``u`` and keep it gathered until ``unpin`` (hooks do not free it)."""
         self.fetch(u)
-        self._pins[u] += 1
+        self._storage[u].pin()
+        self._user_pins += 1
 
     def unpin(self, u: int) -> None:
         """End one ``pin`` of unit ``u`` (it stays gathered until something frees it)."""
-        invariant(self._pins[u] > 0, "unpin without pin")
-        self._pins[u] -= 1
+        self._storage[u].unpin()
+        self._user_pins -= 1
 
     def free(self, u: int) -> None:
         """Release unit ``u``'s gathered parameters (persistent, pinned and held units
         stay)."""
         storage = self._storage[u]
-        if self.units[u].persistent or self._pins[u] or u in self._held or not storage.gathered:
-            return
         handle = self._pending.pop(u, None)
         if handle is not None:
             handle.wait()  # never drop a buffer a collective still writes into
+        if not storage.freeable:
+            return  # sharded already, pinned, held or persistent
         storage.free()
         self.live_bytes -= storage.full_nbytes
 
@@ -221,6 +210,7 @@ class ParamGatherer:
         """Release the units kept gathered by backward passes without resharding."""
         held, self._held = self._held, set()
         for u in held:
+            self._storage[u].unpin()
             self.free(u)
 
     def free_all(self) -> None:
@@ -265,7 +255,7 @@ class ParamGatherer:
         self, u: int, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.fetch(u)
-        if torch._C._current_autograd_node() is not None:
+        if in_backward():
             # A forward recomputed inside backward (activation checkpointing): backward
             # prefetches the units before this one; the ones after it are done already.
             return None
@@ -324,13 +314,13 @@ class ParamGatherer:
         ``reshard_after_backward`` is off."""
         self._passes = [p for p in self._passes if not p.reached]
         if self.reshard_after_backward:
-            self._held.clear()
+            self.release_held()
             self.free_all()
 
     def abort_backward(self) -> None:
         """After autograd raised: forget every outstanding pass and release everything."""
         self._passes.clear()
-        self._held.clear()
+        self.release_held()
         self.free_all()
 
     def end_window(self) -> None:
@@ -346,12 +336,12 @@ class ParamGatherer:
         return len(self._passes)
 
     def _post(self, u: int, _module: nn.Module, _args: Any, output: Any) -> None:
-        if torch._C._current_autograd_node() is not None:
+        if in_backward():
             # A forward recomputed inside backward (activation checkpointing): its backward
             # follows at once, so the unit stays gathered until its gradients are done.
             return
         if torch.is_grad_enabled():
-            wanted = [t for t in _tensors(output) if t.requires_grad]
+            wanted = [t for t in tensors_in(output) if t.requires_grad]
             if wanted:
                 torch.autograd.graph.register_multi_grad_hook(
                     wanted, functools.partial(self._pre_backward, u), mode="any"
@@ -365,9 +355,7 @@ class ParamGatherer:
         if self._in_forward == 1:
             self._current = []
             self._recording = (
-                self._new_pass()
-                if torch.is_grad_enabled() and torch._C._current_autograd_node() is None
-                else None
+                self._new_pass() if torch.is_grad_enabled() and not in_backward() else None
             )
         return self._pre(u, module, args, kwargs) if u is not None else None
 
@@ -379,14 +367,15 @@ class ParamGatherer:
             recorded, self._recording = self._recording, None
             if recorded is not None and not any(recorded.calls):
                 self._passes.remove(recorded)  # nothing to signal: no backward reaches it
-            if not any(self._pins):  # a pass inside GatheredParameters may run on one rank
+            if not self._user_pins:  # a pass inside GatheredParameters may run on one rank
                 self._trace = self._current
             self.free_all()  # prefetched units the pass did not use after all
 
     def _pre_backward(self, u: int, _grad: Any) -> None:
         self.fetch(u)
-        if not self.reshard_after_backward and not self.units[u].persistent:
+        if not self.reshard_after_backward and u not in self._held:
             self._held.add(u)
+            self._storage[u].pin()  # kept until a resharding backward ends, or the step
         self._prefetch(self._after_in_trace(u, -1))
 
     # -- fingerprint ----------------------------------------------------------------------------

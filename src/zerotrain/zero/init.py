@@ -34,6 +34,7 @@ from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
 from zerotrain.shard.partitioned import replace_storage
 from zerotrain.utils.memory import map_large_allocations, release_free_memory
+from zerotrain.utils.torch_compat import storage_id
 
 # Side tables, never attributes on tensors. A parameter built by Init -> its recipe, until
 # initialize computes its value (held weakly: a model dropped before that takes its recipes
@@ -230,7 +231,7 @@ _CLONES = (torch.Tensor.clone, torch.clone)
 
 
 def _views(tensor: torch.Tensor, storage: int) -> bool:
-    return tensor.device.type == "meta" and tensor.untyped_storage()._cdata == storage
+    return tensor.device.type == "meta" and storage_id(tensor) == storage
 
 
 class _RecordMode(TorchFunctionMode):
@@ -287,7 +288,7 @@ class _RecordMode(TorchFunctionMode):
             recipe.record(chain, Op(func, copied, kwargs, key))
             return target
         out = op.run(target)
-        storage = target.untyped_storage()._cdata
+        storage = storage_id(target)
         if isinstance(out, torch.Tensor) and _views(out, storage):
             self.tracked[out] = (recipe, (*chain, op))
         elif isinstance(out, (tuple, list)):  # chunk, split, unbind: one view per piece

@@ -25,12 +25,14 @@ from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
 from zerotrain.offload.manager import Offload
 from zerotrain.optim.clip import norm_from_squares
+from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
+from zerotrain.zero.issue import issue
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
 
@@ -132,6 +134,7 @@ class ZeroStrategy:
             register(self._unit_params(), Home(comm))
         self.sync = GradientSynchronizer(
             self.units,
+            comm,
             overlap=bool(reduce.overlap),
             every_micro_step=zero.shard_gradients,
             on_complete=self._unit_complete if self.gatherer is not None else None,
@@ -482,14 +485,16 @@ class ZeroStrategy:
                 )
                 with torch.no_grad(), untouched:
                     optimizer.step()
-        handles = []
         for unit in self.units:
             unit.start_next_window()
             unit.publish()
-            handle = unit.gather()
-            if handle is not None:
-                handles.append(handle)
-        for handle in handles:
+        self.refresh_params()
+
+    def refresh_params(self) -> None:
+        """All-gather every unit's updated slices, so every rank holds whole parameters
+        again (stages 1-2, and stage-3 units that stay gathered); waits for them."""
+        ios = [io for io in (unit.refresh() for unit in self.units) if io is not None]
+        for handle in [issue(self.comm, io) for io in ios]:
             handle.wait()
 
     def adopt_outside_changes(self) -> None:
@@ -589,6 +594,9 @@ class ZeroStrategy:
         """Bytes of the fp32 master weights (mixed precision)."""
         return sum(u.master_nbytes for u in self.units)
 
+    def _run_now(self, io: CollectiveIO) -> None:
+        issue(self.comm, io, async_op=False)
+
     def _unit_params(self) -> list[nn.Parameter]:
         return [p for unit in self.units for p in unit.buffer.params]
 
@@ -615,6 +623,6 @@ class ZeroStrategy:
             for u, unit in enumerate(self.units):
                 if self.gatherer is not None and unit.master is None:
                     self.gatherer.fetch(u)
-                unit.release()
+                unit.release(self._run_now)
         if self.offload is not None:
             self.offload.close()
