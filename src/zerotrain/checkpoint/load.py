@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerotrain.checkpoint import regions, rng
+from zerotrain.checkpoint.directory import locate
 from zerotrain.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from zerotrain.checkpoint.manifest import Manifest, read_manifest, resolve
+from zerotrain.checkpoint.manifest import Manifest
 from zerotrain.checkpoint.reader import CheckpointReader
-from zerotrain.checkpoint.save import agree
+from zerotrain.checkpoint.save import agree, check_same_directory
 from zerotrain.config.policies import DTYPE_BY_NAME
 from zerotrain.utils.logging import get_logger
 
@@ -276,9 +277,9 @@ def load_checkpoint(
     comm = engine.comm
     error: BaseException | None = None
     reader: CheckpointReader | None = None
+    check_same_directory(comm, "load_dir", Path(load_dir))
     try:
-        path = resolve(load_dir, tag)
-        reader = CheckpointReader(path, read_manifest(path))
+        reader = CheckpointReader(*locate(load_dir, tag))
         files = sorted(reader.manifest.files)
         reader.verify(files[comm.rank :: comm.world_size])
     except Exception as exc:
@@ -297,7 +298,9 @@ def load_checkpoint(
         if not load_module_only:
             if load_lr_scheduler_states and engine.lr_scheduler is not None:
                 if manifest.scheduler is None:
-                    log.warning("%s has no lr scheduler state; the schedule starts over", path)
+                    log.warning(
+                        "%s has no lr scheduler state; the schedule starts over", reader.path
+                    )
                 else:
                     engine.lr_scheduler.load_state_dict(manifest.scheduler)
             if engine.loss_scaler is not None and manifest.loss_scaler is not None:

@@ -7,14 +7,16 @@ and the consolidation tool both go through it.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from zerotrain.checkpoint.directory import locate, shard_file
 from zerotrain.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
-from zerotrain.checkpoint.manifest import Fragment, Manifest, read_manifest, resolve, shard_file
+from zerotrain.checkpoint.manifest import Fragment, Manifest, read_manifest
 from zerotrain.checkpoint.safetensors_io import SafetensorsReader, file_crc32
 
 
@@ -33,9 +35,10 @@ class CheckpointReader:
         self._files: dict[str, SafetensorsReader] = {}
 
     @classmethod
-    def open(cls, load_dir: str | Path, tag: str | None = None) -> CheckpointReader:
-        """The checkpoint ``tag`` under ``load_dir`` (default: the latest)."""
-        return cls(resolve(load_dir, tag))
+    def open(cls, load_dir: str | os.PathLike[str], tag: str | None = None) -> CheckpointReader:
+        """The checkpoint ``tag`` under ``load_dir`` (default: the one ``latest`` names),
+        its manifest verified."""
+        return cls(*locate(load_dir, tag))
 
     def _file(self, name: str) -> SafetensorsReader:
         if name not in self._files:

@@ -27,22 +27,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerotrain.checkpoint import regions, rng
+from zerotrain.checkpoint.directory import (
+    check_tag,
+    old_dir,
+    partial_dir,
+    recover,
+    shard_file,
+    write_latest,
+)
 from zerotrain.checkpoint.errors import CheckpointError
 from zerotrain.checkpoint.manifest import (
     CLIENT_STATE,
     FORMAT,
     FORMAT_VERSION,
-    LATEST,
     MANIFEST,
-    PARTIAL_SUFFIX,
-    check_tag,
+    FileInfo,
     fsync_dir,
     read_manifest,
-    shard_file,
     write_json_atomically,
-    write_text_atomically,
+    write_manifest,
 )
-from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
+from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec, file_crc32
+from zerotrain.comm.agreement import disagreements
 from zerotrain.config.policies import short_dtype_name
 from zerotrain.utils.logging import get_logger
 
@@ -67,6 +73,18 @@ def agree(comm: Communicator, error: BaseException | None, what: str) -> None:
         raise CheckpointError(
             f"rank {comm.rank}: rank(s) {failed} failed while {what} (their own error says "
             "why); nothing was renamed into place"
+        )
+
+
+def check_same_directory(comm: Communicator, what: str, path: Path) -> None:
+    """Raise on every rank, naming each rank's value, unless all ranks passed the same
+    directory (as an absolute path): each rank would otherwise write or read a different
+    checkpoint, and the manifest would name files that are not beside it."""
+    differing = disagreements(comm, [(what, os.path.abspath(path))])
+    if differing:
+        raise ValueError(
+            f"rank {comm.rank}: every rank must pass the same {what}; they differ: "
+            + "; ".join(differing)
         )
 
 
@@ -242,7 +260,7 @@ def _save_client_state(path: Path, client_state: Any) -> None:
 def _prune(root: Path, keep_last: int, current: str) -> None:
     """Remove the oldest complete checkpoints beyond ``keep_last`` (never ``current``)."""
     found = []
-    for manifest in root.glob(f"*/{MANIFEST}"):
+    for manifest in root.glob(f"[!.]*/{MANIFEST}"):
         try:
             found.append((read_manifest(manifest.parent).created, manifest.parent))
         except CheckpointError:
@@ -269,15 +287,15 @@ def save_checkpoint(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     root = Path(save_dir)
-    final, partial = root / tag, root / f".{tag}{PARTIAL_SUFFIX}"
+    check_same_directory(comm, "save_dir", root)
+    final, partial = root / tag, partial_dir(root, tag)
     started = time.perf_counter()
 
     error: BaseException | None = None
     if comm.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(f".*{PARTIAL_SUFFIX}"):
-                shutil.rmtree(stale)  # left by an interrupted save
+            recover(root)  # a save that died replacing a tag: finish or undo it first
             partial.mkdir()
             if client_state is not None:
                 _save_client_state(partial / CLIENT_STATE, client_state)
@@ -393,14 +411,24 @@ def _finish(
         "rng": rng_states,
         "client_state": CLIENT_STATE if has_client_state else None,
     }
-    write_json_atomically(partial / MANIFEST, manifest)
+    if has_client_state:
+        client = partial / CLIENT_STATE
+        files[CLIENT_STATE] = FileInfo(
+            bytes=client.stat().st_size, crc32=file_crc32(client)
+        ).model_dump()
+    checksum = write_manifest(partial, manifest)
     fsync_dir(partial)
-    if final.exists():  # the same tag saved again: swap, then drop the old copy
-        old = root / f".{tag}.old{PARTIAL_SUFFIX}"
+    # Commit: after each step one complete copy of the tag exists where locate() looks for it
+    # (TAG, or .TAG.old while latest still names the old manifest), and recover() finishes
+    # or undoes whatever a crash interrupted.
+    if final.exists():  # the same tag saved again
+        old = old_dir(root, tag)
         os.replace(final, old)
         os.replace(partial, final)
+        write_latest(root, tag, checksum)
+        fsync_dir(root)
         shutil.rmtree(old)
     else:
         os.replace(partial, final)
-    write_text_atomically(root / LATEST, tag)
+        write_latest(root, tag, checksum)
     fsync_dir(root)
