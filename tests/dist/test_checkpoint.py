@@ -145,7 +145,7 @@ def _matches_checkpoint(engine, model, path: str) -> int:
             assert torch.equal(param.detach(), reader.tensor(name)), name
     names = regions.canonical_names(model)
     compared = 0
-    for slot in regions.optimizer_slots(engine):
+    for slot in regions.optimizer_slots(engine.checkpoint_state()):
         unit_names = regions.unit_names(slot.unit, names)
         state = engine.optimizer.state[slot.tensor]
         assert float(state["step"]) == reader.manifest.global_steps

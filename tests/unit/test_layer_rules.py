@@ -61,9 +61,6 @@ FORBIDDEN = {
 # (importing file, imported package): violations that exist today, to be removed.
 KNOWN_VIOLATIONS = {
     ("shard/unit.py", "zero"),  # ZeroPolicy: move it below shard or pass its booleans
-    ("checkpoint/save.py", "engine"),  # typed on Engine: take a state protocol instead
-    ("checkpoint/load.py", "engine"),
-    ("checkpoint/regions.py", "engine"),
 }
 
 

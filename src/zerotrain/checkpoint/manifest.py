@@ -1,11 +1,16 @@
 """A checkpoint's manifest (JSON): what is stored where, and the checksums that verify it.
 
 A checkpoint is ``SAVE_DIR/TAG/`` holding ``manifest.json``, one ``rankNNNNN.safetensors``
-per saving rank and, if given, ``client_state.pt``. Every tensor element is addressed by
-(kind, name, range of the flattened tensor): ``kind`` is ``param``, ``master`` (fp32 master
-weights), ``buffer`` or ``optim.<state>`` (an element-wise optimizer state such as
-``optim.exp_avg``). The manifest's ``fragments`` say which file and key hold each range,
-so a loader with any number of ranks and any ZeRO stage reads exactly the ranges it needs.
+per saving rank (by global rank) and, if given, ``client_state.pt``. Every tensor element is
+addressed by kind and name plus a region of the global tensor: ``kind`` is ``param``,
+``master`` (fp32 master weights), ``buffer`` or ``optim.<state>`` (an element-wise optimizer
+state such as ``optim.exp_avg``); the region is a box of the global tensor (per-dimension
+offsets and lengths) and a flat range of that box (``checkpoint/boxes.py``). The manifest's
+``fragments`` say which file and key hold each region, so a loader with any grid and any
+ZeRO stage reads exactly the elements it needs.
+
+Format 1 (one data-parallel group, 1-D ranges of whole tensors) is read by upgrading its
+manifest to format 2's model: every range becomes a flat range of the whole-tensor box.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from zerotrain.checkpoint.boxes import Box, Region
 from zerotrain.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 FORMAT = "zerotrain-checkpoint"
@@ -53,16 +59,48 @@ class FileInfo(_Model):
 
 
 class Fragment(_Model):
-    """Elements ``[lo, hi)`` of flattened ``name`` (of ``kind``) are stored in ``file`` under
-    ``key``, starting at element ``offset``."""
+    """Elements ``[lo, hi)`` of the box (``offsets``, ``lengths``) of global tensor ``name``
+    (of ``kind``, global ``shape``) are stored in ``file`` under ``key``, from element
+    ``offset``."""
 
     kind: str
     name: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
     lo: int
     hi: int
     file: str
     key: str
     offset: int
+
+    def region(self) -> Region:
+        """The elements this fragment holds."""
+        return Region(Box(self.offsets, self.lengths), self.lo, self.hi)
+
+
+class Place(_Model):
+    """A region of global tensor ``name``: flat range ``[lo, hi)`` of a box."""
+
+    name: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    lo: int
+    hi: int
+
+    def region(self) -> Region:
+        """The elements of the place."""
+        return Region(Box(self.offsets, self.lengths), self.lo, self.hi)
+
+
+class TopologyInfo(_Model):
+    """The grid that saved the checkpoint (``zerotrain.parallel.Topology``)."""
+
+    pipe: int
+    data: int
+    tensor: int
+    sequence: int
+    order: tuple[str, ...]
 
 
 class ScalarState(_Model):
@@ -74,10 +112,10 @@ class ScalarState(_Model):
 
 
 class SlotScalars(_Model):
-    """Scalar optimizer states of one optimizer tensor, and the parameter ranges that tensor
-    covered (``[name, lo, hi]``)."""
+    """Scalar optimizer states of one optimizer tensor, and the parameter regions that
+    tensor covered."""
 
-    spans: tuple[tuple[str, int, int], ...]
+    spans: tuple[Place, ...]
     values: dict[str, ScalarState]
 
 
@@ -96,7 +134,8 @@ class Manifest(_Model):
     version: int
     tag: str
     created: float
-    world_size: int
+    topology: TopologyInfo
+    world_size: int  # every rank of the job: one shard file and one random state each
     stage: int
     compute_dtype: str | None
     global_steps: int
@@ -111,7 +150,7 @@ class Manifest(_Model):
     scheduler: dict[str, Any] | None
     loss_scaler: dict[str, Any] | None
     data: dict[str, Any] | None
-    rng: list[dict[str, Any]]
+    rng: list[dict[str, Any]]  # by global rank
     client_state: str | None
     checksum: str | None = None  # None only in format 1, which had none
 
@@ -168,6 +207,37 @@ def _verify_checksum(file: Path, text: str, raw: dict[str, Any]) -> None:
         )
 
 
+def _upgrade_v1(file: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 manifest in format 2's terms: one data-parallel group of ``world_size``
+    ranks, every range a flat range of the whole tensor."""
+    try:
+        shapes = {name: list(t["shape"]) for name, t in raw["tensors"].items()}
+        fragments = [
+            {**f, "shape": shapes[f["name"]], "offsets": [0] * len(shapes[f["name"]])}
+            | {"lengths": shapes[f["name"]]}
+            for f in raw["fragments"]
+        ]
+        optimizer = raw["optimizer"]
+        if optimizer is not None:
+            scalars = [
+                {
+                    "spans": [
+                        {"name": n, "offsets": [0] * len(shapes[n]), "lengths": shapes[n]}
+                        | {"lo": lo, "hi": hi}
+                        for n, lo, hi in entry["spans"]
+                    ],
+                    "values": entry["values"],
+                }
+                for entry in optimizer["scalars"]
+            ]
+            optimizer = {**optimizer, "scalars": scalars}
+        topology = {"pipe": 1, "data": raw["world_size"], "tensor": 1, "sequence": 1}
+        topology["order"] = ["pipe", "data", "sequence", "tensor"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{file}: malformed format-1 manifest: {exc!r}") from exc
+    return {**raw, "fragments": fragments, "optimizer": optimizer, "topology": topology}
+
+
 def read_manifest(path: Path) -> Manifest:
     """The verified manifest of checkpoint directory ``path`` (format 1 or 2)."""
     file = path / MANIFEST
@@ -190,6 +260,8 @@ def read_manifest(path: Path) -> Manifest:
         )
     if raw["version"] >= 2:
         _verify_checksum(file, text, raw)
+    else:
+        raw = _upgrade_v1(file, raw)
     try:
         return Manifest.model_validate(raw)
     except ValidationError as exc:
