@@ -183,7 +183,8 @@ def locate(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Man
 
 def recover(root: Path) -> None:
     """Finish or undo a same-tag replacement that a crash interrupted (rank 0, at the start
-    of a save), then remove ``.partial`` directories: none of them was ever complete."""
+    of a save), then remove ``.partial`` directories: none of them was ever committed (a
+    complete one whose rename never happened is not what ``latest`` or any tag names)."""
     for old in root.glob(f".*{OLD_SUFFIX}"):
         tag = old.name[1 : -len(OLD_SUFFIX)]
         path = root / tag

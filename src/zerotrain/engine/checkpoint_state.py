@@ -109,4 +109,3 @@ class EngineCheckpointState:
         e.global_samples = saved.global_samples
         e.micro_steps = saved.global_steps * e.gradient_accumulation_steps()
         e.skipped_steps = saved.skipped_steps
-        e.window_losses.clear()

@@ -391,6 +391,7 @@ class Engine(RankQueries, nn.Module):
             strict=strict,
         )
         self.last_load_report = report
+        self.window_losses.clear()  # losses of the steps before the load are not reported
         return path, client_state
 
     def destroy(self, restore_params: bool = True) -> None:
