@@ -63,7 +63,7 @@ def _grads(stage: int, how: str) -> dict:
     }
     torch.manual_seed(100 + dist.get_rank())  # dropout masks differ per rank, as in training
     engine, *_ = zerotrain.initialize(model=model, config=config)
-    checkpointing.reset_stats()
+    engine.activation_checkpointing.reset_stats()  # the engine's own counters
     engine.reset_comm_stats()
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = global_batches(SPEC, world)
@@ -77,7 +77,7 @@ def _grads(stage: int, how: str) -> dict:
             engine.step()
     with zerotrain.zero.GatheredParameters(model.parameters()):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    stats = checkpointing.stats()
+    stats = engine.activation_checkpointing.stats
     traffic = engine.comm_stats()
     wrapped = [checkpointing.is_checkpointed(b) for b in model.blocks]
     engine.destroy()

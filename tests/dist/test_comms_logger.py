@@ -171,9 +171,9 @@ def test_disabled_logger_times_nothing() -> None:
 
 
 def test_unknown_prof_op_is_a_value_error_listing_allowed_names() -> None:
-    with pytest.raises(ValueError, match="unknown collective 'all_to_all_single'") as info:
-        CommsLoggerPolicy(enabled=True, prof_all=False, prof_ops=("all_to_all_single",))
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+    with pytest.raises(ValueError, match="unknown collective 'barrier'") as info:
+        CommsLoggerPolicy(enabled=True, prof_all=False, prof_ops=("barrier",))
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send"):
         assert name in str(info.value)
     assert canonical_op("reduce_scatter_tensor") == "reduce_scatter"
     assert canonical_op("all_gather_base") == "all_gather"

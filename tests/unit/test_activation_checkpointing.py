@@ -3,6 +3,7 @@ argument, nesting, the contiguous buffer, apply/remove, and measured activation 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotrain import checkpointing
-from zerotrain.checkpointing import function as checkpoint_function
 from zerotrain.examples.gpt import GPT, Block, GPTConfig
 from zerotrain.utils.memory import PeakRSSMeter
 
@@ -138,7 +138,7 @@ def test_without_gradients_the_function_just_runs():
 
 
 def _arena() -> checkpointing.saved_inputs.ContiguousArena:
-    keeper = checkpoint_function._current_keeper()
+    keeper = checkpointing.default_context().keeper()
     return keeper._arenas[(torch.device("cpu"), False)]
 
 
@@ -283,3 +283,25 @@ def test_checkpointing_every_block_cuts_measured_peak_memory_of_a_step():
     checkpointed = _peak_activation_bytes("on")
     # Measured: about 131 MiB without, 27 MiB with (one block's activations at a time).
     assert checkpointed < 0.4 * plain, (plain, checkpointed)
+
+
+def test_each_context_keeps_its_own_settings_and_counters():
+    # Two engines in one process (a GAN's generator and discriminator) each activate their
+    # own context around forward and backward; checkpoint() outside both uses the default.
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    checkpointing.apply(model)
+    profiled = checkpointing.CheckpointingContext(
+        dataclasses.replace(checkpointing.current(), profile=True)
+    )
+    plain = checkpointing.CheckpointingContext()
+    with profiled.active():
+        _step(model, _batch())
+    with plain.active():
+        _step(model, _batch())
+        assert checkpointing.current() is plain.policy
+    assert profiled.stats.calls == plain.stats.calls == 3
+    assert profiled.stats.forward_seconds > 0
+    assert plain.stats.forward_seconds == 0
+    assert checkpointing.stats().calls == 0  # the default context saw none of it
+    assert checkpointing.current() is checkpointing.default_context().policy

@@ -151,9 +151,7 @@ def _load_params(state: TrainState, reader: CheckpointReader) -> None:
                     kind = "master" if saved else "param"
                     _read_span(reader, kind, source, span, shapes[span.name], out)
                 unit.publish()
-    handles = [h for h in (unit.gather() for unit in units) if h is not None]
-    for handle in handles:
-        handle.wait()
+    state.sharded.refresh_params()
     with torch.no_grad():
         for name, param in regions.loose_parameters(state.module, state.sharded):
             if (source := reader.stored_name(name)) is not None:

@@ -88,6 +88,10 @@ class ShardedStateView(Protocol):
         """Drop accumulated gradients."""
         ...
 
+    def refresh_params(self) -> None:
+        """All-gather the units' owned slices so every rank holds whole parameters again."""
+        ...
+
 
 class TrainState(Protocol):
     """A training job as a checkpoint sees it (``zerotrain.Engine.checkpoint_state()``)."""

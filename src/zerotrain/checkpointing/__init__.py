@@ -10,21 +10,25 @@ See docs/activation_checkpointing.md.
 
 from zerotrain.checkpointing.function import checkpoint
 from zerotrain.checkpointing.state import (
-    CheckpointStats,
+    CheckpointingContext,
     configure,
     current,
+    default_context,
     reset,
     reset_stats,
     stats,
 )
+from zerotrain.checkpointing.stats import CheckpointStats
 from zerotrain.checkpointing.wrap import apply, is_checkpointed, remove
 
 __all__ = [
     "CheckpointStats",
+    "CheckpointingContext",
     "apply",
     "checkpoint",
     "configure",
     "current",
+    "default_context",
     "is_checkpointed",
     "remove",
     "reset",

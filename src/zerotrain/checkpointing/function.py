@@ -20,31 +20,12 @@ from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from zerotrain.checkpointing.saved_inputs import InputKeeper
-from zerotrain.checkpointing.state import STATE
+from zerotrain.checkpointing.state import CheckpointingContext, active_context
 from zerotrain.utils.device import synchronize
+from zerotrain.utils.torch_compat import TreeSpec, in_backward, tree_flatten, tree_unflatten
 
 T = TypeVar("T")
-
-_keeper: tuple[int, InputKeeper] | None = None  # (settings generation, keeper)
-_depth = 0  # checkpointed regions whose forward is running now
-
-
-def _current_keeper() -> InputKeeper:
-    global _keeper
-    if _keeper is None or _keeper[0] != STATE.generation:
-        policy = STATE.policy
-        keeper = InputKeeper(
-            policy.cpu_checkpointing,
-            policy.contiguous_memory,
-            policy.number_checkpoints,
-            STATE.stats,
-        )
-        _keeper = (STATE.generation, keeper)
-    _keeper[1].stats = STATE.stats  # reset_stats() replaces the counters
-    return _keeper[1]
 
 
 def _device_of(values: list[Any]) -> torch.device | None:
@@ -66,7 +47,9 @@ class _Rebuild:
 
 
 @contextlib.contextmanager
-def _recomputation(device: torch.device | None, timed: bool, sync: bool) -> Iterator[None]:
+def _recomputation(
+    context: CheckpointingContext, device: torch.device | None, timed: bool, sync: bool
+) -> Iterator[None]:
     """Runs around each recomputation (which may end early by an exception of PyTorch's:
     once it has what backward needs it stops)."""
     if sync or timed:
@@ -77,9 +60,9 @@ def _recomputation(device: torch.device | None, timed: bool, sync: bool) -> Iter
     finally:
         if sync or timed:
             synchronize(device)
-        STATE.stats.recomputes += 1
+        context.stats.recomputes += 1
         if timed:
-            STATE.stats.recompute_seconds += time.perf_counter() - start
+            context.stats.recompute_seconds += time.perf_counter() - start
 
 
 def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -93,43 +76,43 @@ def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     inputs and RNG state, and must not change its inputs in place. Without gradients
     (``torch.no_grad``, evaluation) ``fn`` simply runs.
 
-    How the inputs are kept follows ``zerotrain.checkpointing.configure`` (set by
-    ``initialize`` from the config's ``activation_checkpointing`` section).
+    How the inputs are kept follows the active settings: the running engine's (from its
+    config's ``activation_checkpointing`` section), else ``zerotrain.checkpointing.configure``.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     flat, spec = tree_flatten((args, kwargs))
     run = _Rebuild(fn, spec)
-    global _depth
-    if _depth or torch._C._current_autograd_node() is not None:
+    context = active_context()
+    if context.depth or in_backward():
         # Nested in a checkpointed region (its forward, or its recomputation in backward):
         # PyTorch's plain nesting, the same both times, which the outer region's count of
         # saved tensors relies on.
         return torch.utils.checkpoint.checkpoint(run, *flat, use_reentrant=False)
-    policy = STATE.policy
+    policy = context.policy
     device = _device_of(flat)
     timed, sync = policy.profile, policy.synchronize
 
     def contexts() -> tuple[
         contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
     ]:
-        return contextlib.nullcontext(), _recomputation(device, timed, sync)
+        return contextlib.nullcontext(), _recomputation(context, device, timed, sync)
 
-    keeper = _current_keeper()
+    keeper = context.keeper()
     if sync or timed:
         synchronize(device)
     start = time.perf_counter()
-    _depth += 1
+    context.depth += 1
     try:
         with torch.autograd.graph.saved_tensors_hooks(keeper.pack, keeper.unpack):
             out = torch.utils.checkpoint.checkpoint(
                 run, *flat, use_reentrant=False, context_fn=contexts
             )
     finally:
-        _depth -= 1
+        context.depth -= 1
     if sync or timed:
         synchronize(device)
-    STATE.stats.calls += 1
+    context.stats.calls += 1
     if timed:
-        STATE.stats.forward_seconds += time.perf_counter() - start
+        context.stats.forward_seconds += time.perf_counter() - start
     return out

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerotrain.checkpointing.state import CheckpointStats
+from zerotrain.checkpointing.stats import CheckpointStats
 from zerotrain.utils.logging import get_logger
+from zerotrain.utils.torch_compat import storage_use_count
 
 log = get_logger(__name__)
 
@@ -32,7 +33,7 @@ def _copy_strides(like: torch.Tensor) -> tuple[int, ...]:
 
 
 def _storage_refs(buffer: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata))
+    return storage_use_count(buffer)
 
 
 class ContiguousArena:

@@ -1,16 +1,24 @@
-"""The active activation-checkpointing settings and the counters they feed.
+"""Activation-checkpointing settings and the counters they feed, per engine.
 
-``checkpoint(fn, *args)`` takes no options (the call sites live inside model code), so the
-settings are process-wide: ``initialize`` sets them from the config's
-``activation_checkpointing`` section and ``configure`` changes them by hand.
+``checkpoint(fn, *args)`` takes no options (the call sites live inside model code), so it
+reads the *active* ``CheckpointingContext``: the engine's own while the engine runs its
+forward and backward (``initialize`` builds it from the config's
+``activation_checkpointing`` section), else the process's default, which ``configure``
+changes by hand and which an engine whose config has no such section shares. Two engines
+in one process (a GAN's generator and discriminator; the stages of a pipeline) thus keep
+their own settings, input buffers and counters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
+from zerotrain.checkpointing.saved_inputs import InputKeeper
+from zerotrain.checkpointing.stats import CheckpointStats
 from zerotrain.config.policies import ActivationCheckpointingPolicy
 
 # configure()'s keyword arguments are the config keys; these are their policy fields.
@@ -24,47 +32,74 @@ _FIELD_OF_KEY = {
 }
 
 
-@dataclass
-class CheckpointStats:
-    """What checkpointed regions did since the last ``reset_stats``.
+class CheckpointingContext:
+    """One set of settings, with the input buffers and counters that go with them.
 
-    ``calls`` and ``kept_bytes`` (the inputs the regions kept for their recomputation;
-    ``offloaded_bytes`` of them in host memory) are always counted; the times only with
-    ``profile`` on, because timing an accelerator needs a synchronization.
+    Args:
+        policy: the settings (default: inputs kept as they are, nothing timed).
     """
 
-    calls: int = 0
-    recomputes: int = 0
-    kept_bytes: int = 0
-    offloaded_bytes: int = 0
-    forward_seconds: float = 0.0
-    recompute_seconds: float = 0.0
-
-    def summary(self) -> str:
-        """One line for the training log."""
-        mib = 1 << 20
-        return (
-            f"activation checkpointing: {self.calls} forward(s) {self.forward_seconds:.3f} s, "
-            f"{self.recomputes} recomputation(s) {self.recompute_seconds:.3f} s, "
-            f"inputs kept {self.kept_bytes / mib:.1f} MiB "
-            f"({self.offloaded_bytes / mib:.1f} MiB in host memory)"
-        )
-
-
-class _State:
-    def __init__(self) -> None:
-        self.policy = ActivationCheckpointingPolicy()
+    def __init__(self, policy: ActivationCheckpointingPolicy | None = None) -> None:
+        self.policy = policy or ActivationCheckpointingPolicy()
         self.stats = CheckpointStats()
-        self.generation = 0  # bumped by configure: buffers built for older settings go
+        self.depth = 0  # checkpointed regions whose forward is running now
+        self._keeper: InputKeeper | None = None  # built for the current policy
+
+    def set_policy(self, policy: ActivationCheckpointingPolicy) -> None:
+        """Use ``policy`` from now on (buffers built for the old settings are dropped)."""
+        self.policy = policy
+        self._keeper = None
+
+    def keeper(self) -> InputKeeper:
+        """Where the inputs of this context's regions are kept."""
+        if self._keeper is None:
+            policy = self.policy
+            self._keeper = InputKeeper(
+                policy.cpu_checkpointing,
+                policy.contiguous_memory,
+                policy.number_checkpoints,
+                self.stats,
+            )
+        self._keeper.stats = self.stats  # reset_stats() replaces the counters
+        return self._keeper
+
+    def reset_stats(self) -> None:
+        """Start counting afresh."""
+        self.stats = CheckpointStats()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[CheckpointingContext]:
+        """Make this the context ``checkpoint`` uses, for the duration."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
 
 
-STATE = _State()
+# The process's default context (used outside any engine, and by engines whose config has no
+# activation_checkpointing section), and the one active now.
+_DEFAULT = CheckpointingContext()
+_ACTIVE: ContextVar[CheckpointingContext | None] = ContextVar(
+    "zerotrain_checkpointing", default=None
+)
+
+
+def active_context() -> CheckpointingContext:
+    """The context ``checkpoint`` uses now: the running engine's, else the default."""
+    return _ACTIVE.get() or _DEFAULT
+
+
+def default_context() -> CheckpointingContext:
+    """The process's default context (what ``configure`` changes)."""
+    return _DEFAULT
 
 
 def configure(
     policy: ActivationCheckpointingPolicy | None = None, **keys: bool | int | None
 ) -> ActivationCheckpointingPolicy:
-    """Set how ``checkpoint`` behaves from now on, in this process.
+    """Set how ``checkpoint`` behaves from now on, outside engines (and in engines whose
+    config has no ``activation_checkpointing`` section).
 
     Args:
         policy: settings to start from (default: the current ones).
@@ -84,30 +119,28 @@ def configure(
             f"configure() got unknown option(s) {', '.join(unknown)}; allowed: "
             f"{', '.join(_FIELD_OF_KEY)}"
         )
-    base = policy if policy is not None else STATE.policy
+    base = policy if policy is not None else _DEFAULT.policy
     changes: dict[str, Any] = {_FIELD_OF_KEY[k]: v for k, v in keys.items()}
-    STATE.policy = dataclasses.replace(base, **changes)
-    STATE.generation += 1
-    return STATE.policy
+    _DEFAULT.set_policy(dataclasses.replace(base, **changes))
+    return _DEFAULT.policy
 
 
 def reset() -> None:
     """Back to the defaults (checkpoint inputs kept as they are, nothing timed)."""
-    STATE.policy = ActivationCheckpointingPolicy()
-    STATE.generation += 1
+    _DEFAULT.set_policy(ActivationCheckpointingPolicy())
     reset_stats()
 
 
 def current() -> ActivationCheckpointingPolicy:
-    """The settings in force."""
-    return STATE.policy
+    """The settings in force now (the running engine's, else the default)."""
+    return active_context().policy
 
 
 def stats() -> CheckpointStats:
-    """A copy of the counters since the last ``reset_stats``."""
-    return dataclasses.replace(STATE.stats)
+    """A copy of the active context's counters since its last ``reset_stats``."""
+    return dataclasses.replace(active_context().stats)
 
 
 def reset_stats() -> None:
-    """Start counting afresh."""
-    STATE.stats = CheckpointStats()
+    """Start counting afresh (the active context)."""
+    active_context().reset_stats()

@@ -1,4 +1,5 @@
-"""The only module that calls ``torch.distributed`` collectives.
+"""The only module that calls ``torch.distributed`` collectives (with ``p2p.py``, which issues
+the point-to-point batches the :class:`Communicator` hands it).
 
 Every call goes through a :class:`Communicator`, which counts it in :class:`CommStats`, times
 it when the comms logger profiles it (see ``comms_logger.py``), and turns a failure (a peer
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
@@ -21,85 +20,28 @@ import torch.distributed as dist
 
 from zerotrain.comm import shm
 from zerotrain.comm.comms_logger import CommsLogger, CommsLoggerPolicy, CommsSummary
+from zerotrain.comm.handle import CollectiveError, Handle, failure_message, in_flight
+from zerotrain.comm.handle import signature as signature_of
+from zerotrain.comm.p2p import P2POp, PeerToPeer
+from zerotrain.comm.shm_group import open_group_arena
+from zerotrain.comm.splits import check_tensors, resolve_splits
 from zerotrain.comm.stats import CommSnapshot, CommStats
+from zerotrain.comm.verify import verify_signature, verify_splits
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 
 log = get_logger(__name__)
+
+__all__ = ["CollectiveError", "Communicator", "Handle", "P2POp"]
 
 _REDUCE_OPS = MappingProxyType(
     {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 )
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the rank and the collective."""
-
-
-class Handle:
-    """An issued collective (possibly several backend operations). ``wait()`` blocks until
-    all of them finished, then runs ``on_done``."""
-
-    def __init__(
-        self,
-        work: dist.Work | Sequence[dist.Work] | None,
-        describe: Callable[[], str],
-        on_done: Callable[[], None] | None = None,
-        timeout: datetime.timedelta | None = None,
-    ) -> None:
-        if work is None:
-            work = []
-        self._works = [work] if isinstance(work, dist.Work) else list(work)
-        self._describe = describe
-        self._on_done = on_done
-        self._timeout = timeout
-        self._finished = False
-
-    @property
-    def finished(self) -> bool:
-        """True once ``wait()`` has returned."""
-        return self._finished
-
-    def wait(self) -> None:
-        """Block until the collective completed (idempotent)."""
-        if self._finished:
-            return
-        try:
-            for work in self._works:
-                if self._timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self._timeout)
-        except Exception as exc:
-            raise CollectiveError(_failure_message(self._describe(), exc)) from exc
-        self._finished = True
-        if self._on_done is not None:
-            self._on_done()
-
-
-def _signature(op: str, purpose: str, payload: torch.Tensor, label: str | None) -> str:
-    """What a collective carries, identical on every rank that issues the matching call."""
-    nbytes = payload.numel() * payload.element_size()
-    about = f" [{label}]" if label else ""
-    return (
-        f"{op} of {purpose}{about} ({tuple(payload.shape)} "
-        f"{str(payload.dtype).removeprefix('torch.')}, {nbytes} bytes)"
-    )
-
-
-def _in_flight(work: dist.Work | Sequence[dist.Work] | None) -> bool:
-    """Whether the backend returned work still to wait for (the shared-memory path returns
-    none: it completes inside the call)."""
-    return work is not None and (isinstance(work, dist.Work) or len(work) > 0)
-
-
-def _failure_message(what: str, exc: BaseException) -> str:
-    if isinstance(exc, shm.ShmMismatchError):
-        return f"{what}: {exc}"
-    return (
-        f"{what} failed: {exc}. Another rank probably exited, or the ranks issued different "
-        "collectives (different code paths or models); see the other ranks' output."
-    )
+def _verification_enabled() -> bool:
+    """``ZEROTRAIN_VERIFY_COLLECTIVES=0`` turns signature and header checks off."""
+    return os.environ.get("ZEROTRAIN_VERIFY_COLLECTIVES", "1") != "0"
 
 
 class Communicator:
@@ -143,7 +85,11 @@ class Communicator:
         self.comms_logger = CommsLogger(self.world_size)  # disabled until configure_logger
         if shared_memory is None:
             shared_memory = self.backend == "gloo" and self.world_size > 1
-        self._shm = self._open_shared_memory() if shared_memory else None
+        self._shm = (
+            open_group_arena(group, self.rank, self.world_size, self.timeout, self._global)
+            if shared_memory
+            else None
+        )
         # Over plain gloo, ranks in mismatched collectives abort inside gloo (or exchange the
         # wrong data when sizes agree); a tiny signature check before each one turns that
         # into a clear error on every rank. The shared-memory path checks signatures itself.
@@ -151,7 +97,19 @@ class Communicator:
             self.backend == "gloo"
             and self._shm is None
             and self.world_size > 1
-            and os.environ.get("ZEROTRAIN_VERIFY_COLLECTIVES", "1") != "0"
+            and _verification_enabled()
+        )
+        # Point-to-point goes over the backend even when collectives use shared memory,
+        # so its pairwise header check depends only on the backend.
+        self._p2p = PeerToPeer(
+            group=group,
+            rank=self.rank,
+            world_size=self.world_size,
+            to_global=self._global,
+            timeout=self.timeout,
+            verify=self.backend == "gloo" and _verification_enabled(),
+            stats=self.stats,
+            logger=self.comms_logger,
         )
         # Whether the backend reduces a 16-bit float dtype on a device type (gloo lacks
         # bf16 in some torch builds, and for CUDA tensors); filled in on first use.
@@ -161,61 +119,6 @@ class Communicator:
     def uses_shared_memory(self) -> bool:
         """Whether CPU collectives go through a shared-memory arena."""
         return self._shm is not None
-
-    def _open_shared_memory(self) -> shm.ShmCollectives | None:
-        """Set up the arena if every rank is on this machine; every rank agrees or none uses
-        it (a rank that fails to map the segment makes all of them fall back to gloo)."""
-        # Each rank reads its own environment; the decision and the slot size must be the
-        # same everywhere (different slot sizes would silently misplace data).
-        try:
-            slot_bytes, problem = shm.slot_bytes_from_env(), None
-        except ValueError as err:
-            slot_bytes, problem = 0, str(err)
-        mine = (shm.host_identity(), shm.supported(), slot_bytes, problem)
-        infos: list[tuple[str, bool, int, str | None] | None] = [None] * self.world_size
-        dist.all_gather_object(infos, mine, group=self.group)
-        seen = [info for info in infos if info is not None]
-        problems = [f"rank {r}: {info[3]}" for r, info in enumerate(seen) if info[3]]
-        if problems:
-            raise ValueError("; ".join(problems))
-        if len({info[0] for info in seen}) != 1 or not all(info[1] for info in seen):
-            return None
-        slot_bytes = seen[0][2]
-        if len({info[2] for info in seen}) != 1:
-            log.warning(
-                "ZEROTRAIN_SHM_SLOT_BYTES differs between ranks; using rank 0's (%d)", slot_bytes
-            )
-
-        def open_arena(name: str, create: bool) -> shm.ShmArena | None:
-            try:
-                return shm.ShmArena(
-                    name,
-                    self.rank,
-                    self.world_size,
-                    create,
-                    self.timeout,
-                    slot_bytes,
-                )
-            except OSError as err:
-                log.warning("rank %d: shared-memory collectives unavailable (%s)", self.rank, err)
-                return None
-
-        # Rank 0 creates the segment before anyone learns its name, so nobody opens too early.
-        arena = open_arena(f"zerotrain-{uuid.uuid4().hex[:16]}", True) if self.rank == 0 else None
-        names: list[str | None] = [arena.name if arena is not None else None]
-        dist.broadcast_object_list(names, src=self._global(0), group=self.group)
-        if self.rank != 0 and names[0] is not None:
-            arena = open_arena(str(names[0]), False)
-        ok = 1.0 if arena is not None else 0.0
-        flag = torch.tensor([ok])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)  # also: all attached
-        if self.rank == 0 and arena is not None:
-            arena.unlink()  # the memory lives while mapped; no name is left behind
-        if flag.item() < 1.0:
-            if arena is not None:
-                arena.close()
-            return None
-        return shm.ShmCollectives(arena)  # type: ignore[arg-type]
 
     def _shared(self, *tensors: torch.Tensor) -> shm.ShmCollectives | None:
         """The shared-memory path, when it applies to these tensors."""
@@ -251,27 +154,35 @@ class Communicator:
         on_done: Callable[[], None] | None = None,
         label: str | None = None,
         detail: str = "",
+        common: str | None = None,
+        check: Callable[[], None] | None = None,
     ) -> Handle:
         """Count and issue one collective. ``call`` receives its signature (``op`` with
-        ``detail``, e.g. the reduce op), which every rank must agree on."""
+        ``detail``, e.g. the reduce op; or ``common`` where the payload's shape may differ
+        between ranks), which every rank must agree on. ``check`` runs after the signature
+        check, when signatures are checked over gloo (e.g. all-to-all splits)."""
         nbytes = payload.numel() * payload.element_size()
-        signature = _signature(op + detail, purpose, payload, label)
+        signature = (
+            common if common is not None else signature_of(op + detail, purpose, payload, label)
+        )
 
         def describe() -> str:
-            return f"rank {self.rank}: {_signature(op, purpose, payload, label)}"
+            return f"rank {self.rank}: {signature_of(op, purpose, payload, label)}"
 
         self.stats.record(op, purpose, nbytes)
         if self._verify:
-            self._verify_signature(signature)
+            verify_signature(self.group, self.rank, self.timeout, signature)
+            if check is not None:
+                check()
         # The clock starts after the signature check: that is not part of the collective, and
         # it has just lined the ranks up, so less of another rank's lateness is counted.
         timer = self.comms_logger.start(op, purpose, nbytes, payload.device, label)
         try:
             work = call(signature)
         except Exception as exc:
-            raise CollectiveError(_failure_message(describe(), exc)) from exc
+            raise CollectiveError(failure_message(describe(), exc)) from exc
         if timer is not None:
-            if _in_flight(work):
+            if in_flight(work):
                 # Known complete only when waited; for an async call the caller may overlap
                 # other work before that, which the sample then includes (marked overlapped).
                 on_done = timer.stopping(on_done, overlapped=async_op)
@@ -281,23 +192,6 @@ class Communicator:
         if not async_op:
             handle.wait()
         return handle
-
-    def _verify_signature(self, signature: str) -> None:
-        code = float(zlib.crc32(signature.encode()))
-        both = torch.tensor([code, -code], dtype=torch.float64)
-        try:
-            work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            work.wait(self.timeout) if self.timeout is not None else work.wait()
-        except Exception as exc:
-            raise CollectiveError(
-                _failure_message(f"rank {self.rank}: {signature} (signature check)", exc)
-            ) from exc
-        if both[0].item() != -both[1].item():
-            raise CollectiveError(
-                f"rank {self.rank}: the ranks entered different collectives (they took "
-                f"different code paths, e.g. a module run on one rank and not another): "
-                f"this rank is in {signature}, another rank in a different one"
-            )
 
     def reduces_natively(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the backend can reduce ``dtype`` tensors on ``device``'s type. Where it
@@ -519,6 +413,172 @@ class Communicator:
             label,
         )
 
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        purpose: str,
+        label: str | None = None,
+        async_op: bool = False,
+        on_done: Callable[[], None] | None = None,
+    ) -> Handle:
+        """Scatter rows of ``input`` to every rank and gather theirs into ``output`` (dim 0,
+        like ``torch.distributed.all_to_all_single``).
+
+        Rank i sends its ``input_split_sizes[j]`` rows for rank j (in rank order) and
+        receives rank j's rows for it into ``output`` at ``output_split_sizes[j]`` rows per
+        rank. Over gloo the ranks check first that they are in the same all-to-all (purpose,
+        label, dtype, row shape) and that every pair's splits agree.
+
+        Args:
+            output: receives the rows, contiguous, same dtype and row shape as ``input``.
+            input: the rows to send, contiguous, at least 1-D.
+            output_split_sizes / input_split_sizes: rows from / to each rank (None: equal
+                parts of dim 0); entries may be 0.
+            purpose / label: why and for what it runs (counts, logs and errors).
+            async_op: return at once; ``wait()`` the handle before reading ``output``.
+            on_done: run once the rows are in ``output``.
+
+        Returns:
+            A :class:`Handle` (already waited on unless ``async_op``).
+
+        Raises:
+            ValueError: splits of the wrong length, with negative entries or that do not
+                sum to dim 0; tensors that differ in dtype, device or row shape.
+            CollectiveError: the ranks' calls or splits disagree, a peer failed, or the
+                timeout passed (every rank raises, naming the disagreement).
+        """
+        check_tensors(output, input)
+        n = self.world_size
+        sends = resolve_splits(input_split_sizes, input.shape[0], n, "input_split_sizes")
+        recvs = resolve_splits(output_split_sizes, output.shape[0], n, "output_split_sizes")
+        # Sizes along dim 0 differ between ranks; what every rank agrees on is the rest.
+        row = "x".join(str(d) for d in input.shape[1:]) or "scalars"
+        dtype = str(input.dtype).removeprefix("torch.")
+        about = f" [{label}]" if label else ""
+        common = f"all_to_all of {purpose}{about} ({dtype} rows of {row})"
+        shared = self._shared(output, input)
+        if shared is not None:
+            return self._run(
+                "all_to_all",
+                purpose,
+                input,
+                lambda signature: shared.all_to_all(output, input, (sends, recvs), signature),
+                async_op,
+                on_done,
+                label,
+                common=common,
+            )
+        if self._needs_bit_view(input):
+            return self.all_to_all(
+                output.view(torch.float16),
+                input.view(torch.float16),
+                output_split_sizes=recvs,
+                input_split_sizes=sends,
+                purpose=purpose,
+                label=label,
+                async_op=async_op,
+                on_done=on_done,
+            )
+        return self._run(
+            "all_to_all",
+            purpose,
+            input,
+            lambda _: dist.all_to_all_single(
+                output,
+                input,
+                output_split_sizes=recvs,
+                input_split_sizes=sends,
+                group=self.group,
+                async_op=True,
+            ),
+            async_op,
+            on_done,
+            label,
+            common=common,
+            check=lambda: verify_splits(
+                self.group, self.rank, self.timeout, (sends, recvs), common
+            ),
+        )
+
+    # -- point to point ---------------------------------------------------------------------
+
+    def send(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        *,
+        purpose: str,
+        label: str | None = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Send ``tensor`` (contiguous) to rank ``dst`` of this group: a one-op
+        :meth:`exchange`, matched with the peer's ``recv`` by the header check.
+
+        Returns:
+            A :class:`Handle` (waited on unless ``async_op``).
+
+        Raises:
+            ValueError / CollectiveError: as for :meth:`exchange`.
+        """
+        return self.exchange(
+            [P2POp.send(tensor, dst, purpose=purpose, label=label)], async_op=async_op
+        )
+
+    def recv(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        *,
+        purpose: str,
+        label: str | None = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Receive into ``tensor`` (contiguous, the sent shape and dtype) from rank ``src``
+        of this group: a one-op :meth:`exchange`.
+
+        Returns:
+            A :class:`Handle`; read ``tensor`` after its ``wait()``.
+
+        Raises:
+            ValueError / CollectiveError: as for :meth:`exchange`.
+        """
+        return self.exchange(
+            [P2POp.recv(tensor, src, purpose=purpose, label=label)], async_op=async_op
+        )
+
+    def exchange(self, ops: Sequence[P2POp], *, async_op: bool = False) -> Handle:
+        """Issue point-to-point sends and receives together (``batch_isend_irecv``), so a
+        ring shifting both ways at once cannot deadlock.
+
+        Each op counts in ``stats`` as ``send`` or ``recv`` with its tensor's bytes. Over
+        gloo each rank first swaps a small header with every peer of the batch, so a pair
+        whose calls differ (shape, dtype, purpose, label, or a send met by a send) fails on
+        both sides naming both, and a peer that never calls fails by name after the
+        timeout; calls between two ranks are matched in the order they issue them
+        (``ZEROTRAIN_VERIFY_COLLECTIVES=0`` turns this off). See ``comm/p2p.py``.
+
+        Args:
+            ops: :class:`P2POp` (``P2POp.send(t, dst, purpose=...)``, ``P2POp.recv(...)``),
+                peers given as ranks in this group; several ops may share a peer (they
+                pair up in order). An empty list does nothing.
+            async_op: return once issued (after the header round trip); ``wait()`` the
+                handle before reading received tensors or changing sent ones.
+
+        Returns:
+            One :class:`Handle` for the whole batch.
+
+        Raises:
+            ValueError: a peer outside the group or equal to this rank, or a
+                non-contiguous tensor.
+            CollectiveError: the peer's calls differ, it never issued them within the
+                timeout, or the transfer failed.
+        """
+        return self._p2p.exchange(ops, async_op=async_op)
+
     def _global(self, rank: int) -> int:
         """The default-group rank of ``rank`` in this communicator's group."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
@@ -568,13 +628,4 @@ class Communicator:
             else:
                 dist.barrier(group=self.group)
         except Exception as exc:
-            raise CollectiveError(_failure_message(f"rank {self.rank}: barrier", exc)) from exc
-
-
-def broadcast_without_engine(tensors: Sequence[torch.Tensor], src: int) -> None:
-    """Copy rank ``src``'s ``tensors`` to every rank of the default group (a no-op without
-    one), for callers that have no :class:`Communicator`."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for tensor in tensors:
-        dist.broadcast(tensor, src=src)
+            raise CollectiveError(failure_message(f"rank {self.rank}: barrier", exc)) from exc

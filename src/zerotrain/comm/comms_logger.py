@@ -1,4 +1,4 @@
-"""The comms logger: latency and bandwidth of each collective, fed only by ``collectives.py``.
+"""The comms logger: latency and bandwidth of each collective, fed by collectives and p2p.
 
 ``CommStats`` counts every collective (calls and bytes in the ZeRO paper's volume model);
 this module adds *time*, when a :class:`CommsLoggerPolicy` enables it (DeepSpeed's
@@ -18,7 +18,10 @@ that is not profiled: ``CommsLogger.start`` returns None and the caller skips ev
 
 Bandwidth follows nccl-tests: ``algbw = payload bytes / latency`` and ``busbw = algbw x f``
 with ``f = 2(n-1)/n`` for all-reduce, ``(n-1)/n`` for all-gather and reduce-scatter, and 1
-for broadcast (``n`` ranks; payload = the full tensor). Sums over several samples divide
+for broadcast (``n`` ranks; payload = the full tensor); all-to-all is ``(n-1)/n`` of this
+rank's input, and a point-to-point batch is one sample (op ``send``, ``recv``, or
+``send_recv`` when it does both) whose payload is the larger of the bytes sent and received,
+factor 1, as nccl-tests' sendrecv counts one direction. Sums over several samples divide
 total bytes by total time, so large messages weigh more than small ones.
 """
 
@@ -41,7 +44,16 @@ from zerotrain.utils.memory import format_bytes
 log = get_logger(__name__)
 
 #: The collectives a ``Communicator`` issues (the names ``CommStats`` records).
-OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "send",
+    "recv",
+    "send_recv",
+)
 
 # DeepSpeed's (and torch.distributed's) spellings of the same operations, so a DeepSpeed
 # config's ``prof_ops`` works unchanged where the mapping is obvious.
@@ -61,6 +73,12 @@ OP_ALIASES: Mapping[str, str] = MappingProxyType(
         "_reduce_scatter_base": "reduce_scatter",
         "reduce_scatter_single": "reduce_scatter",
         "reduce_scatter_fn": "reduce_scatter",
+        "all_to_all_single": "all_to_all",
+        "alltoall": "all_to_all",
+        "isend": "send",
+        "irecv": "recv",
+        "batch_isend_irecv": "send_recv",
+        "exchange": "send_recv",
     }
 )
 
@@ -87,8 +105,10 @@ def bus_factor(op: str, world_size: int) -> float:
         return 2 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
-    if op == "broadcast":
+    if op in ("broadcast", "send", "recv", "send_recv"):
         return 1.0
+    if op == "all_to_all":
+        return (n - 1) / n
     raise ValueError(f"no bus bandwidth factor for {op!r}; known: {', '.join(OPS)}")
 
 
@@ -102,7 +122,8 @@ class CommsLoggerPolicy:
             latency, algbw, busbw), at INFO through ``zerotrain.comm.comms_logger``.
         prof_all: profile every collective; when False only those named in ``prof_ops``.
         prof_ops: collectives to profile when ``prof_all`` is False: ``all_reduce``,
-            ``all_gather``, ``reduce_scatter``, ``broadcast`` or a DeepSpeed alias
+            ``all_gather``, ``reduce_scatter``, ``broadcast``, ``all_to_all``, ``send``,
+            ``recv``, ``send_recv`` (a point-to-point batch that does both) or an alias
             (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Stored canonical.
         debug: name the caller: the summary keeps a row per ``label`` (the unit a
             collective belongs to, e.g. ``"layers.3"``) and verbose lines show it.

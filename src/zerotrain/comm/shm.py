@@ -34,6 +34,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
+from zerotrain.comm.splits import split_mismatches
 from zerotrain.utils.invariant import invariant
 
 _LINE = 64  # bytes of control per rank: one cache line, so ranks never share a line
@@ -144,6 +145,12 @@ class ShmArena:
         invariant(nbytes <= self.slot_bytes, "shared-memory chunk larger than a slot")
         return self._bytes[start : start + nbytes].view(dtype)
 
+    def tail(self, index: int, start: int, numel: int) -> torch.Tensor:
+        """``numel`` int64 values at byte ``start`` of slot ``index`` (past the data)."""
+        begin = self._data_start + index * self.slot_bytes + start
+        invariant(start + numel * 8 <= self.slot_bytes, "shared-memory tail past its slot")
+        return self._bytes[begin : begin + numel * 8].view(torch.int64)
+
     def enter(self, signature: str) -> None:
         """Start a collective: publish its signature, meet every rank, and raise
         :class:`ShmMismatchError` unless all of them entered the same collective.
@@ -246,7 +253,8 @@ def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
 
 
 class ShmCollectives:
-    """All-reduce, reduce-scatter, all-gather and broadcast over a :class:`ShmArena`."""
+    """All-reduce, reduce-scatter, all-gather, broadcast and all-to-all over a
+    :class:`ShmArena`."""
 
     def __init__(self, arena: ShmArena) -> None:
         self.arena = arena
@@ -326,9 +334,74 @@ class ShmCollectives:
                 flat[lo:hi].copy_(region)
             self.arena.barrier("broadcast")
 
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        splits: tuple[Sequence[int], Sequence[int]],
+        signature: str,
+    ) -> None:
+        """Send rank j the ``splits[0][j]`` rows of ``input`` for it and receive
+        ``splits[1][i]`` rows from rank i into ``output``, in rank order (dim 0)."""
+        n, rank = self.world_size, self.rank
+        sends, recvs = list(splits[0]), list(splits[1])
+        row = input.shape[1:].numel()
+        # Each rank's splits go into the tail of its own slot before the signature barrier:
+        # only this rank writes there, and every rank passed the previous collective's last
+        # barrier, so nobody still reads it.
+        tail = (self.arena.slot_bytes - _split_bytes(n)) // _ALIGN * _ALIGN
+        self.arena.tail(rank, tail, 2 * n).copy_(torch.tensor(sends + recvs, dtype=torch.int64))
+        self.arena.enter(signature)
+        table = [self.arena.tail(r, tail, 2 * n).tolist() for r in range(n)]
+        problems = split_mismatches([t[:n] for t in table], [t[n:] for t in table])
+        if problems:
+            raise ShmMismatchError("the split sizes disagree: " + "; ".join(problems))
+        src, dst = input.view(-1), output.view(-1)
+        send_at = _offsets(sends, row)
+        recv_at = _offsets(recvs, row)
+        dst[recv_at[rank] : recv_at[rank] + recvs[rank] * row].copy_(
+            src[send_at[rank] : send_at[rank] + sends[rank] * row]
+        )
+        # Slot i holds one region per destination: rank i's next piece for each rank.
+        elem = input.element_size()
+        per_rank = tail // elem // n
+        region = per_rank // _ALIGN * _ALIGN or max(1, per_rank)
+        largest = max((t[j] for i, t in enumerate(table) for j in range(n) if i != j), default=0)
+        for lo in range(0, largest * row, region):
+            mine = self.arena.slot(rank, input.dtype, n * region)
+            for j in range(n):
+                a, b = lo, min(sends[j] * row, lo + region)
+                if j != rank and a < b:
+                    mine[j * region : j * region + b - a].copy_(
+                        src[send_at[j] + a : send_at[j] + b]
+                    )
+            self.arena.barrier("all-to-all")
+            for i in range(n):
+                a, b = lo, min(recvs[i] * row, lo + region)
+                if i != rank and a < b:
+                    theirs = self.arena.slot(i, input.dtype, n * region)
+                    dst[recv_at[i] + a : recv_at[i] + b].copy_(
+                        theirs[rank * region : rank * region + b - a]
+                    )
+            self.arena.barrier("all-to-all")
+
     def barrier(self) -> None:
         """Wait for every rank."""
         self.arena.enter("barrier")
+
+
+def _split_bytes(world_size: int) -> int:
+    """Bytes at the end of each slot that hold a rank's all-to-all splits (aligned)."""
+    return -(-2 * world_size * 8 // _ALIGN) * _ALIGN
+
+
+def _offsets(counts: Sequence[int], row: int) -> list[int]:
+    """Element offset of each rank's chunk: exclusive prefix sums of ``counts`` rows."""
+    out, at = [], 0
+    for count in counts:
+        out.append(at)
+        at += count * row
+    return out
 
 
 def _reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: str) -> None:

@@ -1,9 +1,12 @@
-"""Counters of collective calls and bytes, fed only by ``collectives.py``.
+"""Counters of collective calls and bytes, fed only by ``collectives.py`` and ``p2p.py``.
 
 Volumes follow the ZeRO paper's model so stages can be compared with its 2Ψ / 3Ψ analysis:
 an all-reduce of S bytes moves 2S (a reduce-scatter plus an all-gather), a reduce-scatter or
 an all-gather of a full tensor of S bytes moves S, a broadcast of S bytes moves S. The model
-does not depend on the world size. ``payload_bytes`` is the plain size of the full tensor.
+does not depend on the world size. Beyond the paper: an all-to-all counts the bytes of this
+rank's input (what it sends, its own rows included), a point-to-point ``send`` or ``recv``
+the bytes of its tensor, on the rank that issued it. ``payload_bytes`` is the plain size of
+the full tensor.
 Latency and bandwidth (nccl-tests' algbw / busbw, which do depend on the world size) are the
 comms logger's, in ``comms_logger.py``.
 """
@@ -15,7 +18,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 VOLUME_FACTOR: Mapping[str, int] = MappingProxyType(
-    {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+    {
+        "all_reduce": 2,
+        "reduce_scatter": 1,
+        "all_gather": 1,
+        "broadcast": 1,
+        "all_to_all": 1,
+        "send": 1,
+        "recv": 1,
+    }
 )
 
 

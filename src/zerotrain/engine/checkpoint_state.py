@@ -26,9 +26,7 @@ class EngineCheckpointState:
     def placement(self) -> Placement:
         """Ranks, grid and communicators of the engine."""
         e = self._engine
-        # One communicator serves the whole job today (pipe = tensor = sequence = 1); the
-        # world communicator becomes its own group when the grid has other axes.
-        return Placement(e.global_rank, e.topology, e.comm, e.comm, e.device)
+        return Placement(e.global_rank, e.topology, e.groups.world, e.groups.zero, e.device)
 
     @property
     def sharded(self) -> ShardedStateView:

@@ -41,7 +41,7 @@ from zerotrain.engine.ranks import RankQueries
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.estimate import MemoryEstimate
 from zerotrain.optim.clip import clip_coefficient
-from zerotrain.parallel.topology import Topology
+from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
@@ -83,13 +83,15 @@ class Engine(RankQueries, nn.Module):
         precision: PrecisionPolicy | None = None,
         telemetry: TelemetryPolicy | None = None,
         memory_estimate: MemoryEstimate | None = None,
-        topology: Topology | None = None,
+        *,
+        groups: ProcessGroups,
     ) -> None:
         super().__init__()
         self.module = module
         self.env = env
-        self.comm = comm
-        self.topology = topology or Topology(data=comm.world_size)
+        self.comm = comm  # the ZeRO (data x sequence) communicator
+        self.groups = groups
+        self.topology = self.groups.topology
         self.policy = policy
         self.strategy = strategy
         self.optimizer = optimizer.optimizer
@@ -111,6 +113,9 @@ class Engine(RankQueries, nn.Module):
         # initialize checkpointed the model's blocks (config activation_checkpointing.
         # block_types): destroy() undoes it.
         self.checkpointed_blocks = False
+        # The activation-checkpointing settings, buffers and counters of this engine,
+        # active while it runs forward and backward (initialize sets them from the config).
+        self.activation_checkpointing = checkpointing.default_context()
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -133,7 +138,7 @@ class Engine(RankQueries, nn.Module):
         if dtype is not None and self.precision.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), dtype)
         self.telemetry.before_forward(self)
-        with self.telemetry.phase("forward"):
+        with self.telemetry.phase("forward"), self.activation_checkpointing.active():
             return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -174,7 +179,7 @@ class Engine(RankQueries, nn.Module):
             scaled = loss / divisor if divisor > 1 else loss
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
         try:
-            with self.telemetry.phase("backward"):
+            with self.telemetry.phase("backward"), self.activation_checkpointing.active():
                 scaled.backward(retain_graph=retain_graph)
         except BaseException as exc:
             self.strategy.abort_backward()
@@ -316,12 +321,13 @@ class Engine(RankQueries, nn.Module):
         return self.policy.stage
 
     def comm_stats(self) -> CommSnapshot:
-        """Collectives issued since start-up (or the last reset), by op and purpose."""
-        return self.comm.snapshot()
+        """Collectives issued since start-up (or the last reset), by op and purpose, over
+        every communicator of the grid."""
+        return self.groups.snapshot()
 
     def reset_comm_stats(self) -> None:
         """Restart the collective counters."""
-        self.comm.stats.reset()
+        self.groups.reset_stats()
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes this rank holds for model states, by category."""

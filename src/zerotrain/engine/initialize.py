@@ -36,6 +36,7 @@ from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
 from zerotrain.offload.manager import Offload
+from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.topology import Topology
 from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
@@ -113,6 +114,31 @@ def _check_same_config(comm: Communicator, cfg: ZeroTrainConfig) -> None:
         )
 
 
+def _resolve_topology(given: Topology | None, cfg: ZeroTrainConfig, world_size: int) -> Topology:
+    """The grid: ``given``, or the config's sizes with data parallelism over the rest."""
+    if given is None:
+        # Config degrees above 1 are refused by _refuse_unimplemented until their issues land.
+        return Topology.from_world(
+            world_size,
+            pipe=pipeline_stages(cfg),
+            tensor=tensor_parallel_size(cfg),
+            sequence=cfg.sequence_parallel_size,
+        )
+    if not isinstance(given, Topology):
+        raise TypeError(f"topology= must be a zerotrain.parallel.Topology, got {given!r}")
+    if given.world_size != world_size:
+        raise ValueError(
+            f"topology {given} has {given.world_size} ranks, but the job has {world_size} "
+            "processes: pipe x data x sequence x tensor must equal the number of processes"
+        )
+    if given.pipe > 1 or given.sequence > 1:
+        raise NotImplementedError(
+            f"topology {given}: pipeline (pipe > 1) and sequence parallelism (sequence > 1) "
+            "are not implemented yet; use pipe=1 and sequence=1"
+        )
+    return given
+
+
 def _check_not_wrapped(model: nn.Module) -> None:
     """A parameter that is a view of a larger tensor is already inside an engine's buffer."""
     for name, param in model.named_parameters():
@@ -126,20 +152,23 @@ def _check_not_wrapped(model: nn.Module) -> None:
 
 def _setup_activation_checkpointing(
     model: nn.Module, policy: ActivationCheckpointingPolicy | None, device: torch.device
-) -> bool:
-    """Apply the config's ``activation_checkpointing``; returns whether blocks were wrapped."""
+) -> tuple[checkpointing.CheckpointingContext, bool]:
+    """Apply the config's ``activation_checkpointing``; returns the engine's checkpointing
+    context and whether blocks were wrapped."""
     if policy is None:
-        return False  # the section is absent: keep what checkpointing.configure() set
-    checkpointing.configure(policy)
+        # The section is absent: share the process default (what checkpointing.configure()
+        # sets by hand).
+        return checkpointing.default_context(), False
+    context = checkpointing.CheckpointingContext(policy)
     if policy.cpu_checkpointing and device.type == "cpu":
         log.info(
             "config: activation_checkpointing.cpu_checkpointing has no effect: the device is "
             "the CPU, where checkpoint inputs live already"
         )
     if policy.block_types is None:
-        return False
+        return context, False
     checkpointing.apply(model, policy.block_types)
-    return True
+    return context, True
 
 
 def initialize(
@@ -154,6 +183,8 @@ def initialize(
     config_params: dict[str, Any] | None = None,
     mpu: Any = None,
     dist_init_required: bool | None = None,
+    *,
+    topology: Topology | None = None,
 ) -> tuple[Engine, torch.optim.Optimizer | None, DistributedDataLoader | None, Any]:
     """Prepare ``model`` for data-parallel training with ZeRO.
 
@@ -174,6 +205,11 @@ def initialize(
         mpu: model-parallel unit (not supported yet; must be None).
         dist_init_required: accepted for compatibility; the process group is always set up
             when missing and reused when present.
+        topology: the rank grid (default: the config's ``pipeline.stages``,
+            ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``, data parallelism
+            over the rest). Until tensor parallelism lands, a tensor axis above 1 runs
+            replicated compute: its ranks hold the same model and data, and ZeRO shards over
+            the data axis only.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; dataloader and scheduler may be None.
@@ -191,19 +227,15 @@ def initialize(
     _refuse_unimplemented(cfg)
 
     env = init_distributed()
-    comm = Communicator(timeout=env.timeout, device=env.device)
-    _check_same_config(comm, cfg)
-    # Degrees above 1 are refused by _refuse_unimplemented until their issues land: the
-    # data axis is the whole world for now.
-    topology = Topology.from_world(
-        env.world_size,
-        pipe=pipeline_stages(cfg),
-        tensor=tensor_parallel_size(cfg),
-        sequence=cfg.sequence_parallel_size,
-    )
-    policies = to_policies(cfg, comm.world_size)
+    world = Communicator(timeout=env.timeout, device=env.device)
+    _check_same_config(world, cfg)
+    topology = _resolve_topology(topology, cfg, env.world_size)
+    groups = ProcessGroups.build(topology, world)
+    comm = groups.zero  # ZeRO shards and reduces over data x sequence
+    policies = to_policies(cfg, groups.data.world_size)
     telemetry = telemetry_policy(cfg)
-    comm.configure_logger(telemetry.comms)
+    for member in groups.distinct():
+        member.configure_logger(telemetry.comms)
     for note in (*cfg.auto_notes, *inert_keys(cfg)):
         log.info("config: %s", note)
 
@@ -211,9 +243,13 @@ def initialize(
     if precision.compute is not None:
         check_device_supports(precision.compute, env.device)
     zero = ZeroPolicy.for_stage(policies.training.stage)
+    _check_same_model(world, model)  # one pipeline stage (pipe=1 for now): every rank
     values = deferred_values(model)
+    if values is not None:
+        # zero.Init recorded each rank's own random draws: compute rank 0's values on all.
+        values.share_random_state([comm, groups.tensor])
     if values is not None and not zero.shard_parameters:
-        materialize(model)  # built by zero.Init, trained at a stage that keeps it whole
+        materialize(model, values)  # built by zero.Init, trained at a stage that keeps it whole
         values = None
     if values is None:
         model.to(env.device)
@@ -221,14 +257,18 @@ def initialize(
         for tensor in [*model.buffers(), *(p for p in model.parameters() if not p.is_meta)]:
             tensor.data = tensor.data.to(env.device)
     _check_not_wrapped(model)
-    _check_same_model(comm, model)
-    wrapped_blocks = _setup_activation_checkpointing(
+    checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
         model, policies.activation_checkpointing, env.device
     )
     with torch.no_grad():
         # Parameters from zero.Init need no broadcast: every rank replays rank 0's recipe.
         params = [p.data for p in model.parameters() if not p.is_meta]
-        broadcast_tensors(comm, params + list(model.buffers()), _INIT_BUCKET_NUMEL, src=0)
+        # Every ZeRO replica, and (while the tensor axis replicates compute) every rank of a
+        # tensor group, starts from the same values.
+        state = params + list(model.buffers())
+        broadcast_tensors(comm, state, _INIT_BUCKET_NUMEL, src=0)
+        if groups.tensor.world_size > 1:
+            broadcast_tensors(groups.tensor, state, _INIT_BUCKET_NUMEL, src=0)
 
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator must be read only once
@@ -241,7 +281,7 @@ def initialize(
     if policies.training.log_memory:
         estimate = predict_memory(model, policies, comm.rank, comm.world_size, env.device)
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    groups = resolve_param_groups(model, model_parameters, user_optimizer)
+    param_groups = resolve_param_groups(model, model_parameters, user_optimizer)
     offload = None
     if policies.offload.enabled and zero.shard_optimizer:
         offload = Offload(
@@ -252,7 +292,7 @@ def initialize(
             shard_gradients=zero.shard_gradients,
         )
     strategy = ZeroStrategy(
-        groups.trainable,
+        param_groups.trainable,
         len(list(model.parameters())),
         policies.grad_reduce.bucket_numel,
         comm,
@@ -261,8 +301,11 @@ def initialize(
         Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
         precision,
         offload,
+        # Pipeline stages hold different parameters; the tensor axis replicates them until
+        # tensor parallelism shards some.
+        distinct_axes=[groups.pipe],
     )
-    opt = make_optimizer(optimizer, policies.optimizer, strategy, groups, model_parameters)
+    opt = make_optimizer(optimizer, policies.optimizer, strategy, param_groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)
 
     loader = None
@@ -270,8 +313,8 @@ def initialize(
         loader = DistributedDataLoader(
             training_data,
             policies.training.batch.micro_batch_size,
-            comm.rank,
-            comm.world_size,
+            groups.data.rank,
+            groups.data.world_size,
             collate_fn=collate_fn,
             drop_last=policies.training.drop_last,
             pin_memory=env.device.type == "cuda",
@@ -287,19 +330,21 @@ def initialize(
         precision,
         telemetry,
         estimate,
-        topology,
+        groups=groups,
     )
     engine.training_dataloader = loader
     engine.checkpointed_blocks = wrapped_blocks
+    engine.activation_checkpointing = checkpoint_context
     batch = policies.training.batch
     log.info(
-        "initialized: ZeRO stage %d, %s, %d rank(s), %d parameters in %d unit(s), batch %d = "
-        "%d micro x %d accumulation x %d ranks",
+        "initialized: ZeRO stage %d, %s, %d rank(s) (%s), %d parameters in %d unit(s), "
+        "batch %d = %d micro x %d accumulation x %d data-parallel ranks",
         zero.stage,
         "the model's own dtype"
         if precision.compute is None
         else f"{precision.compute} with fp32 master weights",
-        comm.world_size,
+        world.world_size,
+        topology,
         sum(u.numel for u in strategy.units),
         len(strategy.units),
         batch.train_batch_size,

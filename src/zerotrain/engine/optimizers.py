@@ -82,7 +82,7 @@ def make_optimizer(
     if spec is not None:
         flat = flat_groups(strategy, groups)
         return EngineOptimizer(
-            build_optimizer(spec, flat, strategy.partial_norm_reducer()), steps_model_params=False
+            build_optimizer(spec, flat, strategy.shard_norm_reducer()), steps_model_params=False
         )
     if optimizer is None:
         log.warning(

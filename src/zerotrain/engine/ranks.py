@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import DistEnv
+from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.topology import Coordinates, Topology
 
 
 class RankQueries:
     """Rank accessors with DeepSpeed's names: ``global_rank`` and ``world_size`` count every
     process of the job; ``dp_rank`` and ``dp_world_size`` the data-parallel group ZeRO
-    shards over; ``pp_rank``, ``tp_rank`` and ``sp_rank`` the place on the other axes."""
+    shards over (data x sequence); ``pp_rank``, ``tp_rank`` and ``sp_rank`` the place on the
+    other axes."""
 
     env: DistEnv
-    comm: Communicator
+    groups: ProcessGroups
     topology: Topology
 
     @property
@@ -34,12 +35,12 @@ class RankQueries:
     @property
     def dp_rank(self) -> int:
         """This process's rank in its data-parallel (ZeRO) group."""
-        return self.comm.rank
+        return self.groups.zero.rank
 
     @property
     def dp_world_size(self) -> int:
         """Number of ranks in the data-parallel (ZeRO) group."""
-        return self.comm.world_size
+        return self.groups.zero.world_size
 
     @property
     def pp_rank(self) -> int:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zerotrain import checkpointing
 from zerotrain.comm.comms_logger import CommsLoggerPolicy
 from zerotrain.config.policies import Policies
 from zerotrain.config.schema import ZeroTrainConfig
@@ -166,9 +165,10 @@ class Telemetry:
         )
         if engine.loss_scaler is not None:
             message += f", loss scale {engine.loss_scale:g}, {engine.skipped_steps} skipped"
-        if checkpointing.current().profile:
-            message += f"; {checkpointing.stats().summary()}"
-            checkpointing.reset_stats()
+        context = engine.activation_checkpointing
+        if context.policy.profile:
+            message += f"; {context.stats.summary()}"
+            context.reset_stats()
         if engine.policy.log_memory:
             message += f", peak RSS {format_bytes(peak_rss_bytes())}; {engine.memory_breakdown()}"
         log.info(message)

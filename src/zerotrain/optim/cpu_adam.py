@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerotrain.utils.torch_compat import fused_adam_kernel
+
 # A multiple of every SIMD width torch's CPU kernels use for fp32 (8 with AVX2, 16 with
 # AVX-512), so that no element of a chunk falls into the kernel's scalar tail.
 CHUNK_ALIGN = 16
@@ -82,7 +84,7 @@ def adam_step_(
         TypeError: dtypes or devices are not as above.
     """
     _check_operands(param, grad, exp_avg, exp_avg_sq, step, lowp_out)
-    kernel = torch._fused_adamw_ if hyper.adam_w_mode else torch._fused_adam_
+    kernel = fused_adam_kernel(hyper.adam_w_mode)
     # The kernel reads the step count and leaves it alone (torch's wrapper increments it
     # before the call), so it gets the count after this update, as Adam's state holds it.
     steps = [torch.tensor(float(step), dtype=torch.float32)]

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.profiling.formulas import missing_formulas
 from zerotrain.profiling.report import FlopsReport
 from zerotrain.profiling.stats import BackwardRegion, ModuleStats, OpenCall, build_report
+from zerotrain.utils.torch_compat import in_backward, queue_end_of_backward
+from zerotrain.utils.tree import tensors_in
 
 
 class Phase(enum.Enum):
@@ -164,14 +165,14 @@ class FlopsProfiler:
         return self._counter.get_total_flops() if self._counter is not None else 0
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return  # recomputation for activation checkpointing: it belongs to backward
         stats = self._stats[module]
         for param in module.parameters(recurse=False):
             # Inside the pre-hook a stage-3 parameter is gathered; outside it has 0 elements.
             stats.numel[id(param)] = max(stats.numel.get(id(param), 0), param.numel())
         region = BackwardRegion(stats)
-        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if inputs and torch.is_grad_enabled():
             # Fires once every input gradient of this call is computed: its backward is over.
             end = torch.autograd.graph.register_multi_grad_hook(
@@ -182,7 +183,7 @@ class FlopsProfiler:
         stats.open_calls.append(OpenCall(self._total(), time.perf_counter(), region))
 
     def _post_forward(self, module: nn.Module, _args: Any, output: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return
         stats = self._stats[module]
         if not stats.open_calls:
@@ -192,7 +193,7 @@ class FlopsProfiler:
         stats.fwd_latency_s += time.perf_counter() - call.time
         stats.fwd_flops += self._total() - call.flops
         stats.calls += 1
-        outputs = [t for t in _tensors(output) if t.requires_grad]
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             # Fires when the first output gradient arrives: this call's backward begins. ("all"
             # would never fire when an output is the loss that backward() starts from.)
@@ -210,7 +211,7 @@ class FlopsProfiler:
             # A module whose inputs need no gradient (the model itself, an embedding) has no
             # "inputs done" signal: its backward ends with the whole backward pass.
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
 
     def _end_backward(self, region: BackwardRegion) -> None:
         region.done = True
@@ -232,16 +233,6 @@ class FlopsProfiler:
                 region.stats.bwd_flops += total - region.begin
                 region.begin = None
         self._regions = []
-
-
-def _in_backward() -> bool:
-    # True while autograd runs a node, e.g. a checkpointed block recomputing its forward.
-    return torch._C._current_autograd_node() is not None
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
-    return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
 def _no_sync() -> None:

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
+from zerotrain.shard.io import CollectiveIO, Op
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
@@ -118,12 +118,12 @@ class FullGradients:
 
     def reduce(
         self,
-        comm: Communicator,
         policy: GradReducePolicy,
         on_done: Callable[[], None],
         label: str | None = None,
-    ) -> Handle:
-        """Start averaging the buffer across ranks; ``shard`` holds the result when done."""
+    ) -> CollectiveIO:
+        """The reduction that averages the buffer across ranks (pre-divided already);
+        ``shard`` holds the result when it is done."""
         pre, post = policy.pre_divide, policy.post_divide
         if self.comm_dtype.itemsize < self.flat.dtype.itemsize:
             # A 16-bit wire format is sized for an average gradient, not for the sum over
@@ -143,14 +143,9 @@ class FullGradients:
                 self.shard.copy_(result)
             on_done()
 
-        if self.sharded:
-            # In place: this rank's slice of the input is the output.
-            return comm.reduce_scatter(
-                result, wire, purpose="gradients", async_op=True, on_done=finish, label=label
-            )
-        return comm.all_reduce(
-            wire, purpose="gradients", async_op=True, on_done=finish, label=label
-        )
+        # Reduce-scatter in place: this rank's slice of the input is the output.
+        op: Op = "reduce_scatter" if self.sharded else "all_reduce"
+        return CollectiveIO(op, result, wire, "gradients", label, finish)
 
     def zero(self) -> None:
         """Start a new accumulation window."""
@@ -263,15 +258,14 @@ class ShardedGradients:
 
     def reduce(
         self,
-        comm: Communicator,
         policy: GradReducePolicy,
         on_done: Callable[[], None],
         staging: StagingProvider,
         label: str | None = None,
         final: bool = True,
-    ) -> Handle:
-        """Reduce-scatter this micro-step's staged gradients and add them to ``shard``;
-        ``final``: the window's last reduction."""
+    ) -> CollectiveIO:
+        """The reduce-scatter of this micro-step's staged gradients, which adds them to
+        ``shard`` when done; ``final``: the window's last reduction."""
         pooled, full = self._stage(staging)
         self._staging = None
         self._zero_unstaged(full)
@@ -295,9 +289,7 @@ class ShardedGradients:
                 self._swap_out(final)
             on_done()
 
-        return comm.reduce_scatter(
-            out, full, purpose="gradients", async_op=True, on_done=finish, label=label
-        )
+        return CollectiveIO("reduce_scatter", out, full, "gradients", label, finish)
 
     def zero(self) -> None:
         """Start a new accumulation window."""

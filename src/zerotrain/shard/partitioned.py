@@ -16,18 +16,46 @@ while released and see the same values again once the unit is gathered for backw
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from zerotrain.comm.collectives import Communicator, Handle
+from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.layout import FlatLayout
 from zerotrain.utils.invariant import invariant
 
 if TYPE_CHECKING:
     from zerotrain.offload.swapped import SwappedTensor
+
+
+class ShardState(enum.Enum):
+    """Where a stage-3 unit's parameters are; every change goes through ``_move``, which
+    refuses any transition not listed in ``_NEXT`` (an ordering bug raises at once)."""
+
+    SHARDED = "sharded"  # only this rank's slice exists; the parameters are empty
+    GATHERING = "gathering"  # the whole buffer is allocated; an all-gather is filling it
+    GATHERED = "gathered"  # whole; the schedule frees it after use
+    PINNED = "pinned"  # whole and kept (GatheredParameters; held across micro-batches)
+    PERSISTENT = "persistent"  # whole for the engine's life (below the persistence threshold)
+    DETACHED = "detached"  # the engine let go: parameters own their storage again
+
+
+_NEXT: dict[ShardState, frozenset[ShardState]] = {
+    ShardState.SHARDED: frozenset({ShardState.GATHERING, ShardState.DETACHED}),
+    ShardState.GATHERING: frozenset({ShardState.GATHERED}),
+    ShardState.GATHERED: frozenset(
+        {ShardState.SHARDED, ShardState.PINNED, ShardState.PERSISTENT, ShardState.DETACHED}
+    ),
+    ShardState.PINNED: frozenset({ShardState.GATHERED, ShardState.DETACHED}),
+    ShardState.PERSISTENT: frozenset({ShardState.DETACHED}),
+    ShardState.DETACHED: frozenset(),
+}
+_WHOLE = frozenset(
+    {ShardState.GATHERING, ShardState.GATHERED, ShardState.PINNED, ShardState.PERSISTENT}
+)
 
 
 def replace_storage(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -67,12 +95,56 @@ class PartitionedParams:
         # each gather (``prefetch_shard`` starts that read ahead of need).
         self.swap: SwappedTensor | None = None
         self.full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
-        self.gathered = True  # until the free() below
+        self.state = ShardState.GATHERED  # until the free() below
+        self._pins = 0
         self._released = torch.empty(0, dtype=self.dtype, device=self.device)
         for param in self.params:
             if param.is_meta:
                 replace_storage(param, self._released)
         self.free()
+
+    def _move(self, new: ShardState, why: str) -> None:
+        invariant(
+            new in _NEXT[self.state],
+            f"{why}: a unit that is {self.state.value} cannot become {new.value}",
+        )
+        self.state = new
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the whole buffer exists (filled, or being filled by an all-gather)."""
+        return self.state in _WHOLE
+
+    @property
+    def freeable(self) -> bool:
+        """Whether the schedule may free the unit now (gathered, neither pinned nor
+        persistent)."""
+        return self.state is ShardState.GATHERED
+
+    def pin(self) -> None:
+        """Keep the gathered unit whole until a matching ``unpin`` (persistent units are
+        kept anyway)."""
+        if self.state is ShardState.PERSISTENT:
+            return
+        if self.state is not ShardState.PINNED:
+            self._move(ShardState.PINNED, "pin")
+        self._pins += 1
+
+    def unpin(self) -> None:
+        """End one ``pin``; the last one leaves the unit gathered, for the schedule to free."""
+        if self.state is ShardState.PERSISTENT:
+            return
+        invariant(self.state is ShardState.PINNED and self._pins > 0, "unpin without pin")
+        self._pins -= 1
+        if self._pins == 0:
+            self._move(ShardState.GATHERED, "unpin")
+
+    def make_persistent(self) -> None:
+        """The gathered unit stays whole for the engine's life."""
+        self._move(ShardState.PERSISTENT, "make persistent")
+
+    def _arrived(self) -> None:
+        self._move(ShardState.GATHERED, "gather completed")
 
     @property
     def nbytes(self) -> int:
@@ -112,31 +184,28 @@ class PartitionedParams:
         invariant(lo <= a <= b <= hi, "slice outside the owned range")
         return self.shard[a - lo : b - lo]
 
-    def gather(self, comm: Communicator, label: str) -> Handle:
-        """Start assembling the whole buffer; parameters are views of it from now on (their
-        values are valid once the handle is waited on)."""
-        invariant(not self.gathered, "unit gathered twice")
+    def unshard(self, label: str) -> CollectiveIO:
+        """Make room for the whole buffer and point the parameters at it; returns the
+        all-gather that fills it (their values are valid once that has completed)."""
+        self._move(ShardState.GATHERING, "gather")
         if self.swap is not None:
             self.swap.materialize()
         self.full.untyped_storage().resize_(self.full_nbytes)
-        self.gathered = True
         for i, param in enumerate(self.params):
             param.data = self.view(self.full, i)
         # Refilling the buffer is not a change autograd must see: views saved for backward
         # hold exactly these values again.
-        with torch.autograd._unsafe_preserve_version_counter(self.full):
-            return comm.all_gather_into(
-                self.full, self.shard, purpose="parameters", async_op=True, label=label
-            )
+        return CollectiveIO(
+            "all_gather", self.full, self.shard, "parameters", label, self._arrived, True
+        )
 
-    def refresh(self, comm: Communicator, label: str) -> Handle:
-        """All-gather updated slices into the buffer already gathered (persistent units)."""
+    def refresh(self, label: str) -> CollectiveIO:
+        """The all-gather of updated slices into the buffer already gathered (persistent
+        units), this rank's slice copied in already."""
         invariant(self.gathered, "refresh of a unit that is not gathered")
         lo, hi = self.owned
         self.full[lo:hi].copy_(self.shard)
-        return comm.all_gather_into(
-            self.full, self.full[lo:hi], purpose="parameters", async_op=True, label=label
-        )
+        return CollectiveIO("all_gather", self.full, self.full[lo:hi], "parameters", label)
 
     def scatter_back(self) -> None:
         """Copy this rank's slice of the gathered buffer into permanent storage (after the
@@ -149,19 +218,26 @@ class PartitionedParams:
 
     def free(self) -> None:
         """Drop the gathered values; parameters become empty until the next gather."""
+        self._move(ShardState.SHARDED, "free")
         for param in self.params:
             param.data = self._released
         self.full.untyped_storage().resize_(0)
-        self.gathered = False
         if self.swap is not None:
             self.swap.drop()
 
     def release(self) -> None:
         """Give every parameter its own full storage again (the unit must be gathered)."""
-        invariant(self.gathered, "unit not gathered")
+        invariant(self.state is not ShardState.GATHERING, "release while a gather is in flight")
+        self._move(ShardState.DETACHED, "release")
         with torch.no_grad():
             for param in self.params:
                 param.data = param.data.clone()
                 param.grad = None
         self.full.untyped_storage().resize_(0)
-        self.gathered = False
+
+    def detach(self) -> None:
+        """Drop the gathered buffer, if any: the caller gives the parameters their own
+        storage (from the master copy), and the unit is no longer the engine's."""
+        invariant(self.state is not ShardState.GATHERING, "detach while a gather is in flight")
+        self._move(ShardState.DETACHED, "detach")
+        self.full.untyped_storage().resize_(0)

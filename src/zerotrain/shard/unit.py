@@ -12,36 +12,52 @@ keeps an fp32 master copy of the range this rank steps: the optimizer updates th
 which is then rounded into the parameters (``publish``). Gradients accumulate and reduce in
 the dtypes the ``PrecisionPolicy`` names.
 
-The unit owns the mechanics (which collective, which slice); *when* its methods run is
-decided by ``zero/grad_sync.py`` and ``zero/strategy.py``. Gradient states move through a
-checked cycle, so an ordering bug raises at once instead of stepping half-reduced gradients.
+The unit owns the mechanics (which collective, which slice), and returns each collective it
+needs as a description (``shard/io.py``); *when* its methods run, and issuing what they
+describe, is ``zero/``'s (``grad_sync.py``, ``strategy.py``, ``issue.py``). Gradient states
+move through a checked cycle, so an ordering bug raises at once instead of stepping
+half-reduced gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.grads import FullGradients, ShardedGradients, StagingProvider
+from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.layout import FlatLayout
 
 if TYPE_CHECKING:
     from zerotrain.offload.swapped import SwappedTensor
 from zerotrain.shard.owned import ValueSource, copy_owned_range
-from zerotrain.shard.partitioned import PartitionedParams
+from zerotrain.shard.partitioned import PartitionedParams, ShardState
+from zerotrain.shard.policy import ZeroPolicy
 from zerotrain.shard.staging import StagingPool
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.norms import squared_norm
-from zerotrain.zero.policy import ZeroPolicy
+
+
+class Ranks(Protocol):
+    """Where a unit's ranks are: this rank, how many share the unit, and their device (a
+    communicator has these; the unit never calls it)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 class GradState(enum.Enum):
@@ -76,7 +92,7 @@ class ShardedUnit:
         params: the parameters, in ``layout`` order.
         groups: optimizer group of each parameter (None: averaged but never updated).
         param_ids: a model-wide id of each parameter (for per-parameter norms and masks).
-        comm: collectives over the data-parallel group.
+        ranks: this rank and the number of ranks sharing the unit (its ZeRO group).
         zero: what is partitioned.
         reduce: how gradients are averaged.
         staging: the staging pool (stages 2-3).
@@ -96,7 +112,7 @@ class ShardedUnit:
         params: Sequence[nn.Parameter],
         groups: Sequence[int | None],
         param_ids: Sequence[int],
-        comm: Communicator,
+        ranks: Ranks,
         zero: ZeroPolicy,
         reduce: GradReducePolicy,
         staging: StagingPool | None = None,
@@ -108,11 +124,10 @@ class ShardedUnit:
     ) -> None:
         sharded = zero.shard_optimizer
         invariant(
-            layout.world_size == (comm.world_size if sharded else 1),
+            layout.world_size == (ranks.world_size if sharded else 1),
             "layout world size does not match the policy",
         )
         self.index = index
-        self.comm = comm
         self.zero = zero
         self.reduce_policy = reduce
         self.label = label or f"unit {index}"
@@ -125,7 +140,7 @@ class ShardedUnit:
                 "enable bf16/fp16, which casts it)"
             )
         compute, accum, comm_dtype = precision.resolve(params[0].dtype)
-        self.owned = layout.shard_range(comm.rank) if sharded else (0, layout.padded_numel)
+        self.owned = layout.shard_range(ranks.rank) if sharded else (0, layout.padded_numel)
 
         def value_of(i: int) -> torch.Tensor:
             return values(i) if values is not None else params[i].detach()
@@ -141,7 +156,7 @@ class ShardedUnit:
         )
         self.master_range = (lo, max(lo, min(hi, stepped_end)))
         mlo, mhi = self.master_range
-        device = comm.device if zero.shard_parameters else params[0].device
+        device = ranks.device if zero.shard_parameters else params[0].device
         self.device = device
         # Offload on an accelerator: the optimizer steps an fp32 copy in host memory, even
         # when the parameters themselves are fp32.
@@ -157,14 +172,13 @@ class ShardedUnit:
             owned = copy_owned_range(layout, self.owned, value_of, wide, device)
             if precision.master_weights and not host_master:
                 self.master = owned if mhi == hi else owned[: mhi - mlo].clone()
-            self.buffer = PartitionedParams(layout, params, comm.rank, owned.to(compute))
+            self.buffer = PartitionedParams(layout, params, ranks.rank, owned.to(compute))
         else:
             if precision.master_weights and not host_master:
                 self.master = copy_owned_range(
                     layout, self.master_range, value_of, torch.float32, device
                 )
             self.buffer = FlatParamBuffer(layout, params, compute)
-        self.persistent = False  # stage 3: stays gathered (set by the gatherer)
         # NVMe offload: the master's values live in a swap file (offload/swapped.py); the
         # tensor keeps its identity, resident only while something materializes it.
         self.master_swap: SwappedTensor | None = None
@@ -193,6 +207,14 @@ class ShardedUnit:
         self.state = GradState.ACCUMULATING
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
+
+    @property
+    def persistent(self) -> bool:
+        """Stage 3: the unit stays gathered for the engine's life."""
+        return (
+            isinstance(self.buffer, PartitionedParams)
+            and self.buffer.state is ShardState.PERSISTENT
+        )
 
     def __repr__(self) -> str:
         names = ", ".join(s.fqn for s in self.buffer.layout.params[:3])
@@ -322,8 +344,9 @@ class ShardedUnit:
         self.grads.accept(index, staging)
         self.received.add(index)
 
-    def launch_reduce(self, *, final: bool, staging: StagingProvider) -> Handle:
-        """Start reducing this micro-step's gradient; ``final`` on the window's last one."""
+    def launch_reduce(self, *, final: bool, staging: StagingProvider) -> CollectiveIO:
+        """The reduction of this micro-step's gradient (the caller issues it); ``final`` on
+        the window's last one."""
         invariant(self.state is GradState.ACCUMULATING, f"{self!r}: reduce launched twice")
         self.state = GradState.REDUCING
 
@@ -331,10 +354,8 @@ class ShardedUnit:
             self.state = GradState.REDUCED if final else GradState.ACCUMULATING
 
         if isinstance(self.grads, ShardedGradients):
-            return self.grads.reduce(
-                self.comm, self.reduce_policy, on_done, staging, self.label, final=final
-            )
-        return self.grads.reduce(self.comm, self.reduce_policy, on_done, self.label)
+            return self.grads.reduce(self.reduce_policy, on_done, staging, self.label, final=final)
+        return self.grads.reduce(self.reduce_policy, on_done, self.label)
 
     # -- optimizer step -------------------------------------------------------------------------
 
@@ -439,18 +460,20 @@ class ShardedUnit:
                 changed += take_changes(self.master, visible)
         return changed
 
-    def release(self) -> None:
-        """Give every parameter its own storage again, in the dtype it had before (a
-        collective when the master is partitioned). With master weights the parameters get
-        the fp32 master values; stage-3 units without them must be gathered first."""
+    def release(self, run: Callable[[CollectiveIO], None]) -> None:
+        """Give every parameter its own storage again, in the dtype it had before. With
+        master weights the parameters get the fp32 master values, all-gathered through
+        ``run`` (which issues and waits) when the master is partitioned; stage-3 units
+        without them must be gathered first."""
         if self.master is None:
             self.buffer.release()
             return
         with self.resident(write_back=False):
-            self._release_master()
+            self._release_master(run)
 
-    def _release_master(self) -> None:
-        assert self.master is not None
+    def _release_master(self, run: Callable[[CollectiveIO], None]) -> None:
+        invariant(self.master is not None, "no master copy to release from")
+        assert self.master is not None  # for the type checker; the invariant above raises
         self.adopt_outside_changes()  # what the user wrote since the last step counts
         lo, hi = self.owned
         mlo, mhi = self.master_range
@@ -458,29 +481,26 @@ class ShardedUnit:
         full[lo:hi].copy_(self.buffer.owned_slice(lo, hi))  # frozen parameters: as held
         full[mlo:mhi].copy_(self.master)
         if self.zero.shard_optimizer:
-            self.comm.all_gather_into(full, full[lo:hi], purpose="parameters", label=self.label)
-        if isinstance(self.buffer, PartitionedParams) and self.buffer.gathered:
-            self.buffer.free()
+            run(CollectiveIO("all_gather", full, full[lo:hi], "parameters", self.label))
+        if isinstance(self.buffer, PartitionedParams):
+            self.buffer.detach()
         with torch.no_grad():
             for i, param in enumerate(self.buffer.params):
                 param.data = self.buffer.view(full, i).to(self.model_dtypes[i], copy=True)
                 param.grad = None
 
-    def gather(self) -> Handle | None:
-        """After an optimizer step: all-gather the updated slices so every rank holds whole
-        parameters (stages 1-2, and stage-3 units that stay gathered)."""
+    def refresh(self) -> CollectiveIO | None:
+        """After an optimizer step: the all-gather of the updated slices that gives every
+        rank whole parameters again (stages 1-2, and stage-3 units that stay gathered), or
+        None when there is nothing to spread."""
         if isinstance(self.buffer, PartitionedParams):
             # Gathered at step time: a persistent unit, or one held by GatheredParameters.
-            if self.buffer.gathered:
-                return self.buffer.refresh(self.comm, self.label)
-            return None
+            return self.buffer.refresh(self.label) if self.buffer.gathered else None
         if not self.zero.shard_optimizer:
             return None
         lo, hi = self.owned
         data = self.buffer.data
-        return self.comm.all_gather_into(
-            data, data[lo:hi], purpose="parameters", async_op=True, label=self.label
-        )
+        return CollectiveIO("all_gather", data, data[lo:hi], "parameters", self.label)
 
     def reset(self) -> None:
         """Forget a failed backward pass: no reduction pending, gradients zeroed."""

@@ -9,6 +9,14 @@ again and prefetches the unit that ran before it. The unit is freed once autogra
 accumulated every one of its gradients (all uses done), and at the latest at the end of
 backward. Units below the persistence threshold are gathered once and kept.
 
+Backward bookkeeping is kept per forward pass (one micro-batch), so the forwards of several
+micro-batches may be outstanding before their backwards (a pipeline's 1F1B order): a unit
+is freed as soon as one pass's backward is done with it (a later use gathers it again), and
+its reduction is launched once every outstanding pass is done with it. A backward retires
+the passes it reached; passes no backward reached are dropped at the optimizer step.
+With ``reshard_after_backward`` off, units gathered for backward stay gathered (no gather
+for the next micro-batch) until a backward with it on ends, or the optimizer step.
+
 Every gather is counted per unit and folded into a fingerprint of the sequence; the strategy
 compares fingerprints across ranks at each accumulation boundary, so ranks that gathered
 different units (one skipped a block) fail with an error naming the unit instead of
@@ -24,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm.collectives import Communicator, Handle
@@ -32,24 +39,12 @@ from zerotrain.config.policies import Stage3Policy
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import invariant
-from zerotrain.zero.gathered import HOME
+from zerotrain.utils.torch_compat import in_backward, tree_flatten, tree_unflatten
+from zerotrain.utils.tree import tensors_in
+from zerotrain.zero.homes import Home, register, unregister
+from zerotrain.zero.issue import issue
 
 _HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a module's output (tensors, sequences, mappings, dataclasses)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict) or hasattr(value, "items"):
-        for item in value.values():
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _tensors(getattr(value, field.name))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -65,6 +60,16 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.done()
         return (None, *grads)
+
+
+@dataclasses.dataclass(eq=False)  # passes are told apart by identity
+class ForwardPass:
+    """The backward bookkeeping of one forward pass (a micro-batch): per unit, the calls
+    whose inputs carry a post-backward signal, and the signals received so far."""
+
+    calls: list[int]
+    signals: list[int]
+    reached: bool = False  # a signal arrived: the backward that retires it has begun
 
 
 class ParamGatherer:
@@ -91,19 +96,22 @@ class ParamGatherer:
         self.policy = policy
         self._storage = [self._partitioned(u) for u in self.units]
         self._pending: dict[int, Handle] = {}
-        self._pins = [0] * len(self.units)  # GatheredParameters blocks holding each unit
         self._trace: list[int] = []  # units in the order the previous forward pass used them
         self._current: list[int] = []
         self._in_forward = 0
         self.counts = [0] * len(self.units)
         self.sequence_hash = 0
-        # Backward bookkeeping: calls whose inputs carry a post-backward signal, the signals
-        # received, and the callback told when a unit's backward is over (on every rank at
-        # the same point of the same graph, unlike "every gradient arrived", which a
-        # parameter unused on one rank changes).
-        self._calls = [0] * len(self.units)
-        self._signals = [0] * len(self.units)
+        # Backward bookkeeping: the forward passes whose backward has not run, the pass the
+        # current forward records into, and the callback told when a unit's backward is
+        # over for every outstanding pass (on every rank at the same point of the same
+        # graph, unlike "every gradient arrived", which a parameter unused on one rank
+        # changes).
+        self._passes: list[ForwardPass] = []
+        self._recording: ForwardPass | None = None
         self.on_backward_done: Callable[[int], None] | None = None
+        self.reshard_after_backward = True
+        self._held: set[int] = set()  # gathered for backward, kept (reshard_after_backward off)
+        self._user_pins = 0  # GatheredParameters blocks open
         self.live_bytes = 0
         self.peak_bytes = 0
         # NVMe parameter offload: shards of this many units beyond the prefetched ones are
@@ -123,12 +131,12 @@ class ParamGatherer:
         root_post = functools.partial(self._root_post, root_unit)
         self._hooks.append(root.register_forward_hook(root_post, always_call=True))
         for u, storage in enumerate(self._storage):
-            for param in storage.params:
-                setattr(param, HOME, (self, u))  # found by GatheredParameters
+            register(list(storage.params), Home(comm, self, u))  # for GatheredParameters
         for u, unit in enumerate(self.units):
             if unit.numel < policy.persistence_threshold:
-                unit.persistent = True
                 self._issue(u, count=False).wait()
+                self._pending.pop(u)
+                self._storage[u].make_persistent()
 
     @staticmethod
     def _partitioned(unit: ShardedUnit) -> PartitionedParams:
@@ -139,7 +147,7 @@ class ParamGatherer:
 
     def _issue(self, u: int, count: bool = True) -> Handle:
         storage = self._storage[u]
-        handle = storage.gather(self.comm, self.units[u].label)
+        handle = issue(self.comm, storage.unshard(self.units[u].label))
         self._pending[u] = handle
         self.live_bytes += storage.full_nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -178,23 +186,32 @@ class ParamGatherer:
     def pin(self, u: int) -> None:
         """Gather unit ``u`` and keep it gathered until ``unpin`` (hooks do not free it)."""
         self.fetch(u)
-        self._pins[u] += 1
+        self._storage[u].pin()
+        self._user_pins += 1
 
     def unpin(self, u: int) -> None:
         """End one ``pin`` of unit ``u`` (it stays gathered until something frees it)."""
-        invariant(self._pins[u] > 0, "unpin without pin")
-        self._pins[u] -= 1
+        self._storage[u].unpin()
+        self._user_pins -= 1
 
     def free(self, u: int) -> None:
-        """Release unit ``u``'s gathered parameters (persistent and pinned units stay)."""
+        """Release unit ``u``'s gathered parameters (persistent, pinned and held units
+        stay)."""
         storage = self._storage[u]
-        if self.units[u].persistent or self._pins[u] or not storage.gathered:
-            return
         handle = self._pending.pop(u, None)
         if handle is not None:
             handle.wait()  # never drop a buffer a collective still writes into
+        if not storage.freeable:
+            return  # sharded already, pinned, held or persistent
         storage.free()
         self.live_bytes -= storage.full_nbytes
+
+    def release_held(self) -> None:
+        """Release the units kept gathered by backward passes without resharding."""
+        held, self._held = self._held, set()
+        for u in held:
+            self._storage[u].unpin()
+            self.free(u)
 
     def free_all(self) -> None:
         """Release every non-persistent unit (end of backward, or after an error)."""
@@ -238,7 +255,7 @@ class ParamGatherer:
         self, u: int, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.fetch(u)
-        if torch._C._current_autograd_node() is not None:
+        if in_backward():
             # A forward recomputed inside backward (activation checkpointing): backward
             # prefetches the units before this one; the ones after it are done already.
             return None
@@ -258,34 +275,73 @@ class ParamGatherer:
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not where:
             return None  # no signal from this call: its unit is done at the end of backward
-        self._calls[u] += 1
+        record = self._recording
+        if record is None:  # a unit called outside the model's forward: a pass of its own
+            record = self._new_pass()
+        record.calls[u] += 1
         marked = _PostBackward.apply(
-            functools.partial(self._post_backward, u), *[flat[i] for i in where]
+            functools.partial(self._post_backward, record, u), *[flat[i] for i in where]
         )
         for i, tensor in zip(where, marked, strict=True):
             flat[i] = tensor
         new_args, new_kwargs = tree_unflatten(flat, spec)
         return new_args, new_kwargs
 
-    def _post_backward(self, u: int) -> None:
-        self._signals[u] += 1
-        if self._signals[u] == self._calls[u]:
-            self.free(u)
-            if self.on_backward_done is not None:
-                self.on_backward_done(u)
+    def _new_pass(self) -> ForwardPass:
+        record = ForwardPass([0] * len(self.units), [0] * len(self.units))
+        self._passes.append(record)
+        return record
+
+    def _post_backward(self, record: ForwardPass, u: int) -> None:
+        if record not in self._passes:
+            return  # a pass retired already (a graph kept with retain_graph, run again)
+        record.reached = True
+        record.signals[u] += 1
+        if record.signals[u] != record.calls[u]:
+            return
+        # This pass is done with the unit: free it (another outstanding pass gathers it
+        # again if it needs it). Its reduction waits until every outstanding pass is done:
+        # a later pass of the same backward may still add gradients to it.
+        self.free(u)
+        if self.on_backward_done is not None and all(
+            p.signals[u] == p.calls[u] for p in self._passes
+        ):
+            self.on_backward_done(u)
 
     def end_backward(self) -> None:
-        """The backward pass is over: forget its calls and signals."""
-        self._calls = [0] * len(self.units)
-        self._signals = [0] * len(self.units)
+        """The backward pass is over: retire the forward passes it reached (the others
+        stay outstanding for a later backward) and release what it gathered, unless
+        ``reshard_after_backward`` is off."""
+        self._passes = [p for p in self._passes if not p.reached]
+        if self.reshard_after_backward:
+            self.release_held()
+            self.free_all()
+
+    def abort_backward(self) -> None:
+        """After autograd raised: forget every outstanding pass and release everything."""
+        self._passes.clear()
+        self.release_held()
+        self.free_all()
+
+    def end_window(self) -> None:
+        """The optimizer step: forward passes no backward reached are dropped (their
+        graphs cannot feed this window's gradients any more), and held units released
+        (the step changes the shards they were gathered from)."""
+        self._passes.clear()
+        self.release_held()
+
+    @property
+    def outstanding_passes(self) -> int:
+        """Forward passes whose backward has not run yet."""
+        return len(self._passes)
 
     def _post(self, u: int, _module: nn.Module, _args: Any, output: Any) -> None:
-        if torch._C._current_autograd_node() is not None:
+        if in_backward():
             # A forward recomputed inside backward (activation checkpointing): its backward
             # follows at once, so the unit stays gathered until its gradients are done.
             return
         if torch.is_grad_enabled():
-            wanted = [t for t in _tensors(output) if t.requires_grad]
+            wanted = [t for t in tensors_in(output) if t.requires_grad]
             if wanted:
                 torch.autograd.graph.register_multi_grad_hook(
                     wanted, functools.partial(self._pre_backward, u), mode="any"
@@ -298,6 +354,9 @@ class ParamGatherer:
         self._in_forward += 1
         if self._in_forward == 1:
             self._current = []
+            self._recording = (
+                self._new_pass() if torch.is_grad_enabled() and not in_backward() else None
+            )
         return self._pre(u, module, args, kwargs) if u is not None else None
 
     def _root_post(self, u: int | None, module: nn.Module, args: Any, output: Any) -> None:
@@ -305,12 +364,18 @@ class ParamGatherer:
         if u is not None:
             self._post(u, module, args, output)
         if self._in_forward == 0:
-            if not any(self._pins):  # a pass inside GatheredParameters may run on one rank
+            recorded, self._recording = self._recording, None
+            if recorded is not None and not any(recorded.calls):
+                self._passes.remove(recorded)  # nothing to signal: no backward reaches it
+            if not self._user_pins:  # a pass inside GatheredParameters may run on one rank
                 self._trace = self._current
             self.free_all()  # prefetched units the pass did not use after all
 
     def _pre_backward(self, u: int, _grad: Any) -> None:
         self.fetch(u)
+        if not self.reshard_after_backward and u not in self._held:
+            self._held.add(u)
+            self._storage[u].pin()  # kept until a resharding backward ends, or the step
         self._prefetch(self._after_in_trace(u, -1))
 
     # -- fingerprint ----------------------------------------------------------------------------
@@ -330,6 +395,4 @@ class ParamGatherer:
             hook.remove()
         self._hooks.clear()
         for storage in self._storage:
-            for param in storage.params:
-                if hasattr(param, HOME):
-                    delattr(param, HOME)
+            unregister(list(storage.params))

@@ -5,10 +5,14 @@ enter the block with the same parameters) and keeps them gathered through any fo
 inside the block (so one rank may run the model alone there, e.g. to generate a sample);
 leaving frees them again. With
 ``modifier_rank=r``, what rank r changed inside the block is broadcast and every rank keeps
-its slice of the new values. Parameters that are not partitioned (stages 0-2, or no engine
-at all) are left as they are, except that with ``modifier_rank`` rank r's values are
-broadcast, so the ranks stay identical. Under mixed precision the changed values reach the
-fp32 master copy: stage-3 units take them before they are released again, other
+its slice of the new values. Parameters that are not partitioned (stages 0-2) are left as
+they are, except that with ``modifier_rank`` rank r's values are broadcast over the ranks
+of their engine, so the ranks stay identical; parameters of no engine are left alone, as
+DeepSpeed does (with a warning when a modifier rank is given). ``modifier_rank`` is a rank
+of the parameters' ZeRO (data-parallel) group, the global rank when the job has no other
+parallel axis. Engines find their parameters through a side table (``zero/homes.py``),
+never through attributes on them. Under mixed precision the changed values reach the fp32
+master copy: stage-3 units take them before they are released again, other
 parameters at the next step (``ShardedUnit.adopt_outside_changes``).
 """
 
@@ -21,12 +25,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zerotrain.comm.collectives import broadcast_without_engine
+from zerotrain.comm.buckets import broadcast_tensors
+from zerotrain.comm.collectives import Communicator
+from zerotrain.utils.logging import get_logger
+from zerotrain.zero.homes import home_of
 
 if TYPE_CHECKING:
     from zerotrain.zero.gather import ParamGatherer
 
-HOME = "_zerotrain_unit"  # attribute on a stage-3 parameter: (ParamGatherer, unit index)
+log = get_logger(__name__)
+
+_BUCKET_NUMEL = 50_000_000
 
 
 def _as_list(params: nn.Parameter | Iterable[nn.Parameter] | None) -> list[nn.Parameter]:
@@ -59,16 +68,20 @@ class GatheredParameters:
         self.params = _as_list(params) if enabled else []
         self.modifier_rank = modifier_rank
         self._units: list[tuple[ParamGatherer, int, bool]] = []
-        self._plain: list[nn.Parameter] = []
+        # Whole parameters of engines at stages 0-2, by the communicator of their ranks.
+        self._plain: dict[int, tuple[Communicator, list[nn.Parameter]]] = {}
+        self._homeless = 0  # parameters of no engine
 
     def __enter__(self) -> None:
         seen: dict[tuple[int, int], tuple[ParamGatherer, int]] = {}
         for param in self.params:
-            home = getattr(param, HOME, None)
+            home = home_of(param)
             if home is None:
-                self._plain.append(param)
+                self._homeless += 1
+            elif home.gatherer is None:
+                self._plain.setdefault(id(home.comm), (home.comm, []))[1].append(param)
             else:
-                seen.setdefault((id(home[0]), home[1]), home)
+                seen.setdefault((id(home.gatherer), home.unit), (home.gatherer, home.unit))
         # The same order on every rank, whatever order the parameters came in.
         for _, (gatherer, u) in sorted(seen.items(), key=lambda kv: kv[0][1]):
             was_gathered = gatherer.is_gathered(u)
@@ -91,11 +104,21 @@ class GatheredParameters:
                     gatherer.free(u)
             self._units.clear()
             self._plain.clear()
+            self._homeless = 0
         return None
 
     def _keep_changes(self, rank: int) -> None:
         for gatherer, u, _ in self._units:
             gatherer.broadcast_changes(u, rank)
-        if self._plain:
-            with torch.no_grad():
-                broadcast_without_engine([p.data for p in self._plain], src=rank)
+        with torch.no_grad():
+            for comm, params in self._plain.values():
+                tensors = [p.data for p in params]
+                broadcast_tensors(comm, tensors, _BUCKET_NUMEL, src=rank)
+        if self._homeless:
+            log.warning(
+                "GatheredParameters(modifier_rank=%d): %d parameter(s) belong to no zerotrain "
+                "engine, so no communicator is known for them; their changes stay on the "
+                "ranks that made them (DeepSpeed also leaves them alone)",
+                rank,
+                self._homeless,
+            )

@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from zerotrain.comm.collectives import Handle
+from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.shard.staging import StagingPool
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import InvariantError, invariant
 from zerotrain.utils.logging import get_logger
+from zerotrain.zero.issue import issue
 
 log = get_logger(__name__)
 
@@ -31,6 +32,7 @@ class GradientSynchronizer:
 
     Args:
         units: in reduction order (as ``build_units`` returns them).
+        comm: the ranks the units' gradients are reduced over.
         overlap: let reductions run while backward continues (True), or wait for each one
             as it is launched (False: no overlap, but at most one unit's gradient staged).
         every_micro_step: reduce on every micro-step, not only at the boundary (stages 2-3).
@@ -49,6 +51,7 @@ class GradientSynchronizer:
     def __init__(
         self,
         units: Sequence[ShardedUnit],
+        comm: Communicator,
         overlap: bool,
         every_micro_step: bool,
         on_complete: Callable[[int], None] | None = None,
@@ -56,6 +59,7 @@ class GradientSynchronizer:
         on_outside_grad: Callable[[], None] | None = None,
     ) -> None:
         self.units = list(units)
+        self.comm = comm
         self.overlap = overlap
         self.every_micro_step = every_micro_step
         self.on_complete = on_complete
@@ -145,7 +149,7 @@ class GradientSynchronizer:
     def _launch_next(self) -> None:
         unit = self.units[self._next]
         staging = functools.partial(self._acquire_staging, unit.pool)
-        handle = unit.launch_reduce(final=self._final, staging=staging)
+        handle = issue(self.comm, unit.launch_reduce(final=self._final, staging=staging))
         self._next += 1
         if self.overlap:
             self._handles.append(handle)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -28,14 +28,19 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-from zerotrain.comm.collectives import broadcast_without_engine
-from zerotrain.comm.env import init_distributed
+from zerotrain.comm.buckets import broadcast_tensors
+from zerotrain.comm.collectives import Communicator
 from zerotrain.shard.partitioned import replace_storage
 from zerotrain.utils.memory import map_large_allocations, release_free_memory
+from zerotrain.utils.torch_compat import storage_id
 
-_RECIPE = "_zerotrain_recipe"  # on a parameter built by Init
-_TRACKED = "_zerotrain_view"  # on a meta tensor viewing such a parameter: (recipe, chain)
+# Side tables, never attributes on tensors. A parameter built by Init -> its recipe, until
+# initialize computes its value (held weakly: a model dropped before that takes its recipes
+# with it). This is the only process-wide table of this module.
+_RECIPES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Inside one Init, each Init keeps its own: meta tensor viewing a parameter -> (recipe, chain).
 
 _IDENTITY_VIEWS = (torch.Tensor.data.__get__, torch.Tensor.detach)  # type: ignore[attr-defined]
 
@@ -226,11 +231,18 @@ _CLONES = (torch.Tensor.clone, torch.clone)
 
 
 def _views(tensor: torch.Tensor, storage: int) -> bool:
-    return tensor.device.type == "meta" and tensor.untyped_storage()._cdata == storage
+    return tensor.device.type == "meta" and storage_id(tensor) == storage
 
 
 class _RecordMode(TorchFunctionMode):
-    """Turns in-place operations on Init-built parameters into recipe entries."""
+    """Turns in-place operations on Init-built parameters into recipe entries.
+
+    ``tracked`` maps each meta tensor that views such a parameter to its recipe and the
+    chain of views from the parameter to it."""
+
+    def __init__(self, tracked: WeakIdKeyDictionary) -> None:
+        super().__init__()
+        self.tracked = tracked
 
     def __torch_function__(
         self,
@@ -246,9 +258,10 @@ class _RecordMode(TorchFunctionMode):
         else:
             key = next((k for k in ("tensor", "input") if k in kwargs), None)
             target = kwargs.get(key) if key is not None else None
-        if not isinstance(target, torch.Tensor) or not hasattr(target, _TRACKED):
+        tag = self.tracked.get(target) if isinstance(target, torch.Tensor) else None
+        if tag is None:
             return func(*args, **kwargs)
-        recipe, chain = getattr(target, _TRACKED)
+        recipe, chain = tag
         rest = tuple(args) if key is not None else tuple(args[1:])
         kwargs = {k: v for k, v in kwargs.items() if k != key}
         op = Op(func, rest, kwargs, key)
@@ -260,7 +273,7 @@ class _RecordMode(TorchFunctionMode):
         if func in _CLONES:
             out = func(*args, **kwargs)
             copy = Recipe(_Derived(recipe.snapshot(), chain), recipe.scratch, out.shape, out.dtype)
-            setattr(out, _TRACKED, (copy, ()))
+            self.tracked[out] = (copy, ())
             return out
         if _is_in_place(func):
             for value in (*rest, *kwargs.values()):  # what the op reads besides the target
@@ -275,13 +288,13 @@ class _RecordMode(TorchFunctionMode):
             recipe.record(chain, Op(func, copied, kwargs, key))
             return target
         out = op.run(target)
-        storage = target.untyped_storage()._cdata
+        storage = storage_id(target)
         if isinstance(out, torch.Tensor) and _views(out, storage):
-            setattr(out, _TRACKED, (recipe, (*chain, op)))
+            self.tracked[out] = (recipe, (*chain, op))
         elif isinstance(out, (tuple, list)):  # chunk, split, unbind: one view per piece
             for i, piece in enumerate(out):
                 if isinstance(piece, torch.Tensor) and _views(piece, storage):
-                    setattr(piece, _TRACKED, (recipe, (*chain, op, Op(operator.getitem, (i,), {}))))
+                    self.tracked[piece] = (recipe, (*chain, op, Op(operator.getitem, (i,), {})))
         return out
 
 
@@ -296,9 +309,14 @@ class Init:
         **kwargs: DeepSpeed's other options (``remote_device``, ``pin_memory``, ``dtype``,
             ``mpu``...) are not supported and raise ``TypeError`` when set.
 
-    Every rank must build the same model inside the context: the random stream is rank 0's
-    (broadcast on entry), so all ranks record the same values. On exit rank 0's generator is
-    where normal construction would have left it; the other ranks get their own back.
+    Every rank must build the same model inside the context. Each records the random
+    states its operations drew from; ``initialize`` replaces them with rank 0's (of each
+    ZeRO group) before computing values, so every rank computes rank 0's values whatever
+    its own seed, and Init itself needs no process group. On exit each rank's generator is
+    where normal construction would have left it. ``nn.Parameter.__new__`` and the
+    ``nn.init`` functions are redirected only inside the context (and restored if entering
+    fails); which tensor belongs to which recipe is kept in side tables, never in
+    attributes on the tensors.
 
     Entering also sets the process's C allocator to map allocations of 1 MiB and more
     individually (``utils.memory.map_large_allocations``, glibc): otherwise the heap keeps
@@ -316,8 +334,7 @@ class Init:
         self.enabled = enabled
         self._mode: _RecordMode | None = None
         self._new: Any = None
-        self._own_rng: torch.Tensor | None = None
-        self._params: list[nn.Parameter] = []
+        self._tracked = WeakIdKeyDictionary()  # meta tensor -> (recipe, chain)
         self._inits: dict[str, Callable[..., Any]] = {}
         self._scratch = _Scratch()
 
@@ -327,14 +344,7 @@ class Init:
         # Recording and later replaying a large model allocates and frees many tensors of a
         # few MiB; mapped individually, they leave nothing behind in the C heap.
         map_large_allocations()
-        env = init_distributed()
-        state = torch.get_rng_state()
-        if env.rank != 0:
-            self._own_rng = state.clone()
-        broadcast_without_engine([state], src=0)
-        torch.set_rng_state(state)
         self._new = nn.Parameter.__new__
-        nn.Parameter.__new__ = staticmethod(functools.partial(_new_parameter, self))  # type: ignore[method-assign]
         # nn.init functions are recorded whole: some draw a data-dependent amount of random
         # numbers (trunc_normal_'s rejection sampling), which no meta tensor can follow.
         self._inits = {
@@ -342,11 +352,21 @@ class Init:
             for name in dir(nn.init)
             if name.endswith("_") and not name.startswith("_")
         }
-        for name, func in self._inits.items():
-            setattr(nn.init, name, functools.partial(_record_init, func))
-        self._mode = _RecordMode()
-        self._mode.__enter__()
+        try:
+            nn.Parameter.__new__ = staticmethod(functools.partial(_new_parameter, self))  # type: ignore[method-assign]
+            for name, func in self._inits.items():
+                setattr(nn.init, name, functools.partial(_record_init, self, func))
+            self._mode = _RecordMode(self._tracked)
+            self._mode.__enter__()
+        except BaseException:
+            self._restore()
+            raise
         return self
+
+    def _restore(self) -> None:
+        nn.Parameter.__new__ = self._new  # type: ignore[method-assign]
+        for name, func in self._inits.items():
+            setattr(nn.init, name, func)
 
     def __exit__(
         self,
@@ -356,34 +376,33 @@ class Init:
     ) -> None:
         if not self.enabled or self._mode is None:
             return
-        self._mode.__exit__(exc_type, exc, tb)
-        nn.Parameter.__new__ = self._new  # type: ignore[method-assign]
-        for name, func in self._inits.items():
-            setattr(nn.init, name, func)
-        for param in self._params:
-            if hasattr(param, _TRACKED):
-                delattr(param, _TRACKED)
-        self._params.clear()
-        self._scratch.clear()
-        release_free_memory()
-        if self._own_rng is not None:
-            torch.set_rng_state(self._own_rng)
+        try:
+            self._mode.__exit__(exc_type, exc, tb)
+        finally:
+            self._mode = None
+            self._restore()
+            self._tracked.clear()
+            self._scratch.clear()
+            release_free_memory()
+
+    def _adopt(self, param: nn.Parameter, recipe: Recipe) -> nn.Parameter:
+        _RECIPES[param] = recipe
+        self._tracked[param] = (recipe, ())
+        return param
 
     def _create(self, cls: type, data: torch.Tensor | None, requires_grad: bool) -> Any:
         if data is None:
             data = torch.empty(0)
         recipe = Recipe(data, self._scratch)
         meta = torch.empty(recipe.shape, dtype=recipe.dtype, device="meta")
-        param = self._new(cls, meta, requires_grad)
-        setattr(param, _RECIPE, recipe)
-        setattr(param, _TRACKED, (recipe, ()))
-        self._params.append(param)
-        return param
+        return self._adopt(self._new(cls, meta, requires_grad), recipe)
 
 
-def _record_init(func: Callable[..., Any], tensor: Any, *args: Any, **kwargs: Any) -> Any:
+def _record_init(
+    init: Init, func: Callable[..., Any], tensor: Any, *args: Any, **kwargs: Any
+) -> Any:
     """An ``nn.init`` function during ``Init``: recorded as one step on a parameter."""
-    tag = getattr(tensor, _TRACKED, None)
+    tag = init._tracked.get(tensor) if isinstance(tensor, torch.Tensor) else None
     if tag is None:
         return func(tensor, *args, **kwargs)
     recipe, chain = tag
@@ -395,7 +414,7 @@ def _new_parameter(
     init: Init, cls: type, data: torch.Tensor | None = None, requires_grad: bool = True
 ) -> Any:
     if data is not None and data.device.type == "meta":
-        tag = getattr(data, _TRACKED, None)
+        tag = init._tracked.get(data)
         if tag is None:
             return init._new(cls, data, requires_grad)  # no recipe: refused by initialize
         recipe, chain = tag
@@ -403,28 +422,52 @@ def _new_parameter(
             recipe = Recipe(
                 _Derived(recipe.snapshot(), chain), recipe.scratch, data.shape, data.dtype
             )
-        param = init._new(cls, data, requires_grad)
-        setattr(param, _RECIPE, recipe)
-        setattr(param, _TRACKED, (recipe, ()))
-        init._params.append(param)
-        return param
+        return init._adopt(init._new(cls, data, requires_grad), recipe)
     return init._create(cls, data, requires_grad)
 
 
-def _value(param: nn.Parameter) -> torch.Tensor:
-    recipe = getattr(param, _RECIPE, None)
-    if recipe is not None:
-        return recipe.replay().to(param.dtype)  # a cast inside Init (.half()) is kept
-    if param.is_meta:
-        raise NotImplementedError(
-            f"a parameter of shape {tuple(param.shape)} was built inside zerotrain.zero.Init "
-            "from values it could not record (computed from other parameters, e.g. "
-            "weight_norm); build that module outside zero.Init"
-        )
-    return param.detach()  # an ordinary parameter, added after Init
+class DeferredValues:
+    """The values of a model built by ``Init``, computed one parameter at a time.
+
+    Taking the recipes out of the process-wide table ends every weak reference to the
+    parameters (``torch.utils.swap_tensors``, which partitioning uses, refuses a tensor
+    that has one); they now live as long as this object.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self._recipes: dict[int, Recipe] = {}
+        for param in params:
+            recipe = _RECIPES.pop(param, None)
+            if recipe is not None:
+                self._recipes[id(param)] = recipe
+
+    def __call__(self, param: nn.Parameter) -> torch.Tensor:
+        """The full value of ``param``."""
+        recipe = self._recipes.get(id(param))
+        if recipe is not None:
+            return recipe.replay().to(param.dtype)  # a cast inside Init (.half()) is kept
+        if param.is_meta:
+            raise NotImplementedError(
+                f"a parameter of shape {tuple(param.shape)} was built inside "
+                "zerotrain.zero.Init from values it could not record (computed from other "
+                "parameters, e.g. weight_norm); build that module outside zero.Init"
+            )
+        return param.detach()  # an ordinary parameter, added after Init
+
+    def share_random_state(self, comms: Sequence[Communicator]) -> None:
+        """Give every rank rank 0's recorded random states and initial values (collective
+        over each of ``comms`` in turn), so that all of them compute rank 0's values.
+        Every rank must have built the same model."""
+        found: dict[int, torch.Tensor] = {}
+        for recipe in self._recipes.values():
+            _random_inputs(recipe, found)
+        tensors = list(found.values())
+        for comm in comms:
+            if comm.world_size > 1:
+                broadcast_tensors(comm, tensors, _SHARE_BUCKET_NUMEL, src=0)
 
 
-def deferred_values(model: nn.Module) -> Callable[[nn.Parameter], torch.Tensor] | None:
+def deferred_values(model: nn.Module) -> DeferredValues | None:
     """How to compute the values of a model built by ``Init`` (None for an ordinary model).
 
     Raises:
@@ -433,19 +476,37 @@ def deferred_values(model: nn.Module) -> Callable[[nn.Parameter], torch.Tensor] 
     params = dict(model.named_parameters())
     if not any(p.is_meta for p in params.values()):
         return None
-    missing = [n for n, p in params.items() if p.is_meta and not hasattr(p, _RECIPE)]
+    missing = [n for n, p in params.items() if p.is_meta and p not in _RECIPES]
     if missing:
         raise NotImplementedError(
             f"parameters {missing} were built inside zerotrain.zero.Init from values it could "
             "not record (computed from other parameters, e.g. weight_norm); build those "
             "modules outside zero.Init"
         )
-    return _value
+    return DeferredValues(list(params.values()))
 
 
-def materialize(model: nn.Module) -> None:
+_SHARE_BUCKET_NUMEL = 50_000_000
+
+
+def _random_inputs(recipe: Recipe, found: dict[int, torch.Tensor]) -> None:
+    """The tensors ``recipe`` replays from that a rank drew itself: generator states and
+    non-constant initial values (keyed by id: snapshots share them)."""
+    if isinstance(recipe.initial, torch.Tensor):
+        found.setdefault(id(recipe.initial), recipe.initial)
+    elif isinstance(recipe.initial, _Derived):
+        _random_inputs(recipe.initial.source, found)
+    for _, op, state in recipe.ops:
+        if state is not None:
+            found.setdefault(id(state), state)
+        for value in op.kwargs.values():
+            if isinstance(value, _Replay):
+                found.setdefault(id(value.state), value.state)
+
+
+def materialize(model: nn.Module, values: DeferredValues) -> None:
     """Give every parameter of a model built by ``Init`` its full value (for stages 0-2)."""
     with torch.no_grad():
         for param in model.parameters():
             if param.is_meta:
-                replace_storage(param, _value(param))  # the recipe leaves with the old data
+                replace_storage(param, values(param))

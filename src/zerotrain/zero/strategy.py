@@ -25,11 +25,14 @@ from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
 from zerotrain.offload.manager import Offload
 from zerotrain.optim.clip import norm_from_squares
+from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
+from zerotrain.zero.homes import Home, register, unregister
+from zerotrain.zero.issue import issue
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
 
@@ -63,6 +66,10 @@ class ZeroStrategy:
         reduce: how gradients are averaged.
         stage3: the model and gather settings (required at stage 3).
         precision: compute, accumulation and reduction dtypes; master weights.
+        offload: where optimizer states and parameters are offloaded (None: resident).
+        distinct_axes: communicators across which the ranks hold gradients of *different*
+            parameters (pipeline stages; tensor-parallel shards): the global gradient norm,
+            and with it clipping and the fp16 overflow decision, sums over them too.
     """
 
     def __init__(
@@ -76,8 +83,10 @@ class ZeroStrategy:
         stage3: Stage3Options | None = None,
         precision: PrecisionPolicy | None = None,
         offload: Offload | None = None,
+        distinct_axes: Sequence[Communicator] = (),
     ) -> None:
         self.comm = comm
+        self.distinct_axes = tuple(a for a in distinct_axes if a.world_size > 1)
         self.offload = offload
         self.zero = zero
         self.precision = precision or PrecisionPolicy()
@@ -121,8 +130,11 @@ class ZeroStrategy:
                 on_built,
                 host_master,
             )
+            # Whole parameters: GatheredParameters(modifier_rank=...) broadcasts over comm.
+            register(self._unit_params(), Home(comm))
         self.sync = GradientSynchronizer(
             self.units,
+            comm,
             overlap=bool(reduce.overlap),
             every_micro_step=zero.shard_gradients,
             on_complete=self._unit_complete if self.gatherer is not None else None,
@@ -133,6 +145,7 @@ class ZeroStrategy:
             self.gatherer.on_backward_done = self.sync.mark_done
         self._boundary = False
         self._requires_sync = True
+        self._is_last_backward: bool | None = None
         self._used: tuple[torch.Tensor, Handle] | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
         # Elements changed outside the optimizer per unit, kept as device tensors until the
@@ -187,8 +200,27 @@ class ZeroStrategy:
         of one per pass."""
         self._requires_sync = requires_sync
 
+    def set_is_last_backward(self, is_last: bool | None) -> None:
+        """Whether the next backward passes close the accumulation window (their reductions
+        are final, and the step's checks exchange behind them), overriding what the caller
+        of ``begin_backward`` says; None hands the decision back to it (the engine counts
+        micro-steps; a pipeline schedule knows its last micro-batch)."""
+        self._is_last_backward = is_last
+
+    def set_reshard_after_backward(self, reshard: bool) -> None:
+        """Stage 3: whether units gathered for a backward pass are released at its end
+        (True, the default) or stay gathered for the next micro-batch's forward and
+        backward without gathering again, until a backward with True ends or the
+        optimizer steps. Off trades memory (every unit used stays whole) for gathers.
+        No effect at stages 0-2, whose parameters are never sharded."""
+        if self.gatherer is not None:
+            self.gatherer.reshard_after_backward = reshard
+
     def begin_backward(self, boundary: bool) -> None:
-        """Before autograd runs for one micro-step."""
+        """Before autograd runs for one micro-step (``boundary``: its backward closes the
+        accumulation window, unless ``set_is_last_backward`` said otherwise)."""
+        if self._is_last_backward is not None:
+            boundary = self._is_last_backward
         self._boundary = boundary and self._requires_sync
         self._drop_outside_grads_if_zeroed()
         for unit in self.units:
@@ -216,7 +248,6 @@ class ZeroStrategy:
         """After autograd finished: every reduction of this micro-step is complete."""
         self.sync.launch_remaining()
         if self.gatherer is not None:
-            self.gatherer.free_all()
             self.gatherer.end_backward()
         if self._boundary:
             # Which parameters got a gradient is known now; exchanging it here runs behind
@@ -234,8 +265,7 @@ class ZeroStrategy:
             for unit in self.units:
                 unit.detach_grads()
             if self.gatherer is not None:
-                self.gatherer.free_all()
-                self.gatherer.end_backward()
+                self.gatherer.abort_backward()
 
     def zero_grads(self) -> None:
         """Zero every gradient in place (reduction state is kept), and clear what backward
@@ -246,8 +276,14 @@ class ZeroStrategy:
 
     # -- optimizer step -------------------------------------------------------------------------
 
-    def _sum_across_ranks(self, tensor: torch.Tensor) -> None:
+    def _sum_across_shards(self, tensor: torch.Tensor) -> None:
         self.comm.all_reduce(tensor, purpose="control")
+
+    def _sum_across_grid(self, tensor: torch.Tensor) -> None:
+        if self.zero.shard_optimizer:
+            self._sum_across_shards(tensor)
+        for axis in self.distinct_axes:
+            axis.all_reduce(tensor, purpose="control")
 
     def reduced_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradients, one flat tensor per unit (for clipping: together
@@ -257,17 +293,28 @@ class ZeroStrategy:
             unit.check_reduced()
         return [u.grad_shard for u in self.units]
 
-    def partial_norm_reducer(self) -> Callable[[torch.Tensor], None] | None:
-        """Sums partial squared norms over ranks when gradients are sharded, else None."""
-        return self._sum_across_ranks if self.zero.shard_optimizer else None
+    def shard_norm_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        """Sums partial squared norms of *one parameter* over the ranks it is split across
+        (per-parameter norms: LAMB's trust ratios), or None when parameters are whole."""
+        return self._sum_across_shards if self.zero.shard_optimizer else None
+
+    def global_norm_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        """Sums partial squared norms over every rank that holds distinct gradient elements:
+        the ZeRO group when gradients are sharded, then each of ``distinct_axes``. One
+        composable reducer, so clipping and the fp16 overflow decision (a non-finite norm)
+        agree on every rank of the grid. None when this rank holds every element."""
+        if not self.zero.shard_optimizer and not self.distinct_axes:
+            return None
+        return self._sum_across_grid
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the reduced gradients (0-d fp32; one all-reduce when sharded).
-        Gradient slices in swap files contribute the sums taken as they were written."""
+        """Global L2 norm of the reduced gradients (0-d fp32; one all-reduce per axis that
+        holds distinct elements). Gradient slices in swap files contribute the sums taken
+        as they were written."""
         for unit in self.units:
             unit.check_reduced()
         squares = [u.grad_squared_norm() for u in self.units]
-        return norm_from_squares(squares, self.partial_norm_reducer())
+        return norm_from_squares(squares, self.global_norm_reducer())
 
     def scale_grads(self, coef: torch.Tensor | None) -> None:
         """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
@@ -415,6 +462,8 @@ class ZeroStrategy:
         optimizer at stage 0) rather than this strategy's flat pieces.
         """
         unused = self._unused()
+        if self.gatherer is not None:
+            self.gatherer.end_window()  # the step changes the shards units gather from
         self.adopt_outside_changes()
         if self.offload is not None:
             self.offload.settle()
@@ -436,14 +485,16 @@ class ZeroStrategy:
                 )
                 with torch.no_grad(), untouched:
                     optimizer.step()
-        handles = []
         for unit in self.units:
             unit.start_next_window()
             unit.publish()
-            handle = unit.gather()
-            if handle is not None:
-                handles.append(handle)
-        for handle in handles:
+        self.refresh_params()
+
+    def refresh_params(self) -> None:
+        """All-gather every unit's updated slices, so every rank holds whole parameters
+        again (stages 1-2, and stage-3 units that stay gathered); waits for them."""
+        ios = [io for io in (unit.refresh() for unit in self.units) if io is not None]
+        for handle in [issue(self.comm, io) for io in ios]:
             handle.wait()
 
     def adopt_outside_changes(self) -> None:
@@ -481,6 +532,8 @@ class ZeroStrategy:
         """Drop this window's gradients without updating anything (an overflow was found);
         the checks that close a window still run."""
         self._unused()
+        if self.gatherer is not None:
+            self.gatherer.end_window()
         for unit in self.units:
             unit.start_next_window()
 
@@ -541,6 +594,12 @@ class ZeroStrategy:
         """Bytes of the fp32 master weights (mixed precision)."""
         return sum(u.master_nbytes for u in self.units)
 
+    def _run_now(self, io: CollectiveIO) -> None:
+        issue(self.comm, io, async_op=False)
+
+    def _unit_params(self) -> list[nn.Parameter]:
+        return [p for unit in self.units for p in unit.buffer.params]
+
     def managed(self) -> set[int]:
         """ids (``id()``) of the parameters inside units."""
         return {id(p) for unit in self.units for p in unit.buffer.params}
@@ -557,11 +616,13 @@ class ZeroStrategy:
         self.sync.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
+        else:
+            unregister(self._unit_params())
         if restore_params:
             # Unit by unit, so that only one unit is gathered besides the restored ones.
             for u, unit in enumerate(self.units):
                 if self.gatherer is not None and unit.master is None:
                     self.gatherer.fetch(u)
-                unit.release()
+                unit.release(self._run_now)
         if self.offload is not None:
             self.offload.close()

@@ -69,6 +69,81 @@ def auto_bucket_numel(total_numel: int, device: torch.device, zero: ZeroPolicy) 
     return min(AUTO_BUCKET_MAX, max(AUTO_BUCKET_MIN, total_numel // share))
 
 
+@dataclass(frozen=True)
+class UnitPlan:
+    """What one unit will hold, before it is built: its parameters in layout order, each
+    one's name, optimizer group, model-wide position and whether it trains."""
+
+    members: list[tuple[str, nn.Parameter]]
+    groups: list[int | None]
+    positions: list[int]
+    trainable: list[bool]
+    label: str | None = None
+
+
+def _make_units(
+    plans: Sequence[UnitPlan],
+    comm: Communicator,
+    zero: ZeroPolicy,
+    reduce: GradReducePolicy,
+    precision: PrecisionPolicy,
+    staging_buffers: int,
+    values: ValueLookup | None,
+    on_built: Callable[[ShardedUnit], None] | None,
+    master_on_host: bool,
+) -> tuple[list[ShardedUnit], list[StagingPool]]:
+    """The one place units are built, for every stage: a layout per plan, the staging
+    pools the units share (stages 2-3: one per reduction dtype and device, sized for its
+    largest unit, with ``staging_buffers`` buffers), then each unit in plan order.
+    ``on_built`` sees each unit as soon as it exists (offload moves its states out before
+    the next is built)."""
+    world = comm.world_size if zero.shard_optimizer else 1
+    layouts = [
+        FlatLayout.pack([(n, tuple(p.shape)) for n, p in plan.members], world) for plan in plans
+    ]
+
+    def staging_key(plan: UnitPlan) -> tuple[torch.dtype, torch.device]:
+        param = plan.members[0][1]
+        # Staging holds gradients in the dtype they are reduced in; stage 3 gathers
+        # parameters onto the communicator's device.
+        device = comm.device if zero.shard_parameters else param.device
+        return precision.resolve(param.dtype)[2], device
+
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    if zero.shard_gradients:
+        for plan, layout in zip(plans, layouts, strict=True):
+            key = staging_key(plan)
+            sizes[key] = max(sizes.get(key, 0), layout.padded_numel)
+    pools = {
+        key: StagingPool(numel, key[0], key[1], count=staging_buffers)
+        for key, numel in sizes.items()
+    }
+    units = []
+    for index, (plan, layout) in enumerate(zip(plans, layouts, strict=True)):
+        params = [p for _, p in plan.members]
+        source = functools.partial(_value_of, values, params) if values is not None else None
+        unit = ShardedUnit(
+            index,
+            layout,
+            params,
+            plan.groups,
+            plan.positions,
+            comm,
+            zero,
+            reduce,
+            pools.get(staging_key(plan)),
+            trainable=plan.trainable,
+            label=plan.label,
+            values=source,
+            precision=precision,
+            master_on_host=master_on_host,
+        )
+        if on_built is not None:
+            on_built(unit)
+        units.append(unit)
+    return units, list(pools.values())
+
+
 def build_units(
     trainable: Sequence[TrainableParam],
     bucket_numel: int | None,
@@ -79,9 +154,8 @@ def build_units(
     on_built: Callable[[ShardedUnit], None] | None = None,
     master_on_host: bool = False,
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
-    """Pack ``trainable`` into units, returned in the order their gradients are reduced,
-    with the staging pools they share (stage 2; one per dtype). ``on_built`` sees each unit
-    as soon as it exists (offload moves its states out before the next is built)."""
+    """Stages 0-2: pack ``trainable`` into buckets, returned in the order their gradients
+    are reduced, with the staging pools they share (stage 2; one per dtype)."""
     precision = precision or PrecisionPolicy()
     by_dtype: dict[tuple[torch.dtype, torch.device], list[TrainableParam]] = {}
     for entry in trainable:
@@ -103,37 +177,17 @@ def build_units(
     # A bucket is complete when its earliest-registered parameter gets its gradient (the last
     # one backward reaches); reduce buckets in that order so none waits behind a later one.
     buckets.sort(key=lambda b: -min(e.position for e in b))
-
-    world = comm.world_size if zero.shard_optimizer else 1
-    layouts = [FlatLayout.pack([(e.fqn, tuple(e.param.shape)) for e in b], world) for b in buckets]
-    # One staging pool per dtype/device, sized for its largest unit.
-    # Staging holds gradients in the dtype they are reduced in.
-    pools: dict[tuple[torch.dtype, torch.device], StagingPool] = {}
-    if zero.shard_gradients:
-        for bucket, layout in zip(buckets, layouts, strict=True):
-            p = bucket[0].param
-            key = (precision.resolve(p.dtype)[2], p.device)
-            size = max(layout.padded_numel, pools[key].numel if key in pools else 0)
-            pools[key] = StagingPool(size, key[0], p.device, count=2 if reduce.overlap else 1)
-    units = []
-    for index, (bucket, layout) in enumerate(zip(buckets, layouts, strict=True)):
-        unit = ShardedUnit(
-            index,
-            layout,
-            [e.param for e in bucket],
+    plans = [
+        UnitPlan(
+            [(e.fqn, e.param) for e in bucket],
             [e.group_index for e in bucket],
             [e.position for e in bucket],
-            comm,
-            zero,
-            reduce,
-            pools.get((precision.resolve(bucket[0].param.dtype)[2], bucket[0].param.device)),
-            precision=precision,
-            master_on_host=master_on_host,
+            [True] * len(bucket),
         )
-        if on_built is not None:
-            on_built(unit)
-        units.append(unit)
-    return units, list(pools.values())
+        for bucket in buckets
+    ]
+    count = 2 if reduce.overlap else 1
+    return _make_units(plans, comm, zero, reduce, precision, count, None, on_built, master_on_host)
 
 
 def build_module_units(
@@ -165,9 +219,7 @@ def build_module_units(
         group = tag.group_index if tag is not None else None
         return (group is None, group or 0, positions[id(entry[1])])
 
-    units: list[ShardedUnit] = []
-    largest: dict[torch.dtype, int] = {}
-    layouts = []
+    plans = []
     for planned_unit in planned:
         members = sorted(planned_unit.params, key=order)
         dtypes = {p.dtype for _, p in members}
@@ -177,39 +229,21 @@ def build_module_units(
                 f"'{planned_unit.label}' mix dtypes {sorted(map(str, dtypes))}; cast the "
                 "model to one dtype"
             )
-        layout = FlatLayout.pack([(n, tuple(p.shape)) for n, p in members], comm.world_size)
-        layouts.append((planned_unit, members, layout))
-        dtype = precision.resolve(members[0][1].dtype)[2]  # staging: the reduction's dtype
-        largest[dtype] = max(largest.get(dtype, 0), layout.padded_numel)
-    # The root unit's early gradients (final norm, head) are staged for the whole backward
-    # pass while the blocks' come and go: two buffers, so the blocks never wait for a third.
-    pools = {d: StagingPool(n, d, comm.device, count=2) for d, n in largest.items()}
-    for index, (planned_unit, members, layout) in enumerate(layouts):
-        source = None
-        if values is not None:
-            params = [p for _, p in members]
-            source = functools.partial(_value_of, values, params)
-        units.append(
-            ShardedUnit(
-                index,
-                layout,
-                [p for _, p in members],
+        plans.append(
+            UnitPlan(
+                members,
                 [tags[id(p)].group_index if id(p) in tags else None for _, p in members],
                 [positions[id(p)] for _, p in members],
-                comm,
-                zero,
-                reduce,
-                pools[precision.resolve(members[0][1].dtype)[2]],
-                trainable=[id(p) in tags for _, p in members],
-                label=planned_unit.label,
-                values=source,
-                precision=precision,
-                master_on_host=master_on_host,
+                [id(p) in tags for _, p in members],
+                planned_unit.label,
             )
         )
-        if on_built is not None:
-            on_built(units[-1])
-    return units, list(pools.values()), [p.module for p, _, _ in layouts]
+    # The root unit's early gradients (final norm, head) are staged for the whole backward
+    # pass while the blocks' come and go: two buffers, so the blocks never wait for a third.
+    units, pools = _make_units(
+        plans, comm, zero, reduce, precision, 2, values, on_built, master_on_host
+    )
+    return units, pools, [p.module for p in planned]
 
 
 def _value_of(values: ValueLookup, params: Sequence[nn.Parameter], index: int) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""What every issued communication returns: a :class:`Handle` with an explicit ``wait()``,
+and the :class:`CollectiveError` a failed or timed-out one raises.
+
+Shared by the collectives (``collectives.py``) and point-to-point exchanges (``p2p.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.comm import shm
+
+#: What most likely went wrong when a collective failed without a clearer cause.
+COLLECTIVE_HINT = (
+    "Another rank probably exited, or the ranks issued different collectives (different "
+    "code paths or models); see the other ranks' output."
+)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank and the collective."""
+
+
+class Handle:
+    """An issued collective (possibly several backend operations). ``wait()`` blocks until
+    all of them finished, then runs ``on_done``.
+
+    Args:
+        work: the backend's pending operations (None or empty: already complete).
+        describe: the text naming this rank and the operation, for error messages.
+        on_done: run once, after every operation finished.
+        timeout: how long each wait lasts (None: the backend's own watchdog).
+        hint: what most likely went wrong, appended to failure messages.
+    """
+
+    def __init__(
+        self,
+        work: dist.Work | Sequence[dist.Work] | None,
+        describe: Callable[[], str],
+        on_done: Callable[[], None] | None = None,
+        timeout: datetime.timedelta | None = None,
+        hint: str = COLLECTIVE_HINT,
+    ) -> None:
+        if work is None:
+            work = []
+        self._works = [work] if isinstance(work, dist.Work) else list(work)
+        self._describe = describe
+        self._on_done = on_done
+        self._timeout = timeout
+        self._hint = hint
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        """True once ``wait()`` has returned."""
+        return self._finished
+
+    def wait(self) -> None:
+        """Block until the collective completed (idempotent).
+
+        Raises:
+            CollectiveError: an operation failed or did not finish within the timeout.
+        """
+        if self._finished:
+            return
+        try:
+            for work in self._works:
+                if self._timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self._timeout)
+        except Exception as exc:
+            raise CollectiveError(failure_message(self._describe(), exc, self._hint)) from exc
+        self._finished = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+def describe_tensor(tensor: torch.Tensor) -> str:
+    """``(4, 2) float32, 32 bytes``: shape, dtype and size, for signatures and errors."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}, {nbytes} bytes"
+
+
+def signature(op: str, purpose: str, payload: torch.Tensor, label: str | None) -> str:
+    """What a collective carries, identical on every rank that issues the matching call."""
+    about = f" [{label}]" if label else ""
+    return f"{op} of {purpose}{about} ({describe_tensor(payload)})"
+
+
+def in_flight(work: dist.Work | Sequence[dist.Work] | None) -> bool:
+    """Whether the backend returned work still to wait for (the shared-memory path returns
+    none: it completes inside the call)."""
+    return work is not None and (isinstance(work, dist.Work) or len(work) > 0)
+
+
+def failure_message(what: str, exc: BaseException, hint: str = COLLECTIVE_HINT) -> str:
+    """``what`` failed because of ``exc``; shared-memory mismatches already explain
+    themselves, anything else gets ``hint``."""
+    if isinstance(exc, shm.ShmMismatchError):
+        return f"{what}: {exc}"
+    return f"{what} failed: {exc}. {hint}"

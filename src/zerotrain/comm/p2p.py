@@ -1,0 +1,268 @@
+"""Point-to-point exchanges: batched sends and receives between pairs of ranks.
+
+A :class:`P2POp` names one tensor to send to, or receive from, one peer (a rank in the
+communicator's group). :class:`PeerToPeer` issues a list of them together
+(``torch.distributed.batch_isend_irecv``, so a ring exchange in both directions cannot
+deadlock), counts each in ``CommStats`` (``send`` / ``recv``), times the batch when the comms
+logger profiles it, and returns one :class:`Handle`.
+
+**Pairwise check.** The collective signature check (an all-reduce over the whole group) does
+not apply: only two ranks take part. Instead, over gloo, each rank first sends every peer of
+the batch a small header describing what it will send that peer and what it expects back
+(purpose, label, shape, dtype), and receives the peer's. Each side compares the peer's
+header with what its own ops imply, so a mismatched pair (a shape or dtype that differs, a
+send met by a send) fails on *both* sides with a :class:`CollectiveError` quoting both,
+before any payload moves: gloo would otherwise abort the process on a size mismatch, or
+deliver the wrong bytes when sizes agree. A peer that never issues its call is reported by
+name after the communicator's timeout. Calls between one pair are matched in order: the
+k-th exchange a rank issues involving a peer is checked against the k-th exchange that peer
+issues involving it. The header round trip makes issuing wait until each peer issued its
+matching call (bounded by the timeout); ``async_op`` overlaps the payload.
+``ZEROTRAIN_VERIFY_COLLECTIVES=0`` turns the headers off (set it alike on every rank).
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from zerotrain.comm.comms_logger import CommsLogger
+from zerotrain.comm.handle import CollectiveError, Handle, describe_tensor, failure_message
+from zerotrain.comm.stats import CommStats
+
+HEADER_BYTES = 512
+_MAGIC = b"ZTP1"  # a header, version 1 (anything else received is not a header)
+_TEXT_START = 8  # magic (4 bytes), CRC-32 of the whole text (4 bytes), then the text
+
+P2P_HINT = (
+    "The peer probably exited, or never issued the matching send/recv (a different code "
+    "path); see its output."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class P2POp:
+    """One tensor to send to, or receive into from, one peer.
+
+    Args:
+        kind: ``"send"`` or ``"recv"``.
+        tensor: contiguous; a receive overwrites it.
+        peer: the other rank, as a rank in the communicator's group.
+        purpose: why it moves (``"activations"``, ``"gradients"``, ...), as for collectives.
+        label: what it belongs to (e.g. ``"microbatch 3"``), for errors and the comms logger.
+    """
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+    purpose: str
+    label: str | None = None
+
+    @staticmethod
+    def send(tensor: torch.Tensor, dst: int, *, purpose: str, label: str | None = None) -> P2POp:
+        """Send ``tensor`` to group rank ``dst``."""
+        return P2POp("send", tensor, dst, purpose, label)
+
+    @staticmethod
+    def recv(tensor: torch.Tensor, src: int, *, purpose: str, label: str | None = None) -> P2POp:
+        """Receive into ``tensor`` from group rank ``src``."""
+        return P2POp("recv", tensor, src, purpose, label)
+
+    def entry(self) -> str:
+        """What this op carries, as both sides of the pair describe it."""
+        about = f" [{self.label}]" if self.label else ""
+        return f"{self.purpose}{about} ({describe_tensor(self.tensor)})"
+
+
+def check_ops(ops: Sequence[P2POp], rank: int, world_size: int) -> None:
+    """Refuse ops no backend could run, naming the op.
+
+    Raises:
+        ValueError: a peer outside ``[0, world_size)`` or equal to ``rank``, an unknown
+            kind, or a non-contiguous tensor.
+    """
+    for i, op in enumerate(ops):
+        where = f"p2p op {i} ({op.kind} of {op.purpose})"
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"{where}: kind must be 'send' or 'recv', got {op.kind!r}")
+        if not 0 <= op.peer < world_size:
+            raise ValueError(
+                f"{where}: peer {op.peer} is not a rank of this group (ranks 0..{world_size - 1})"
+            )
+        if op.peer == rank:
+            raise ValueError(f"{where}: peer {op.peer} is this rank; copy the tensor instead")
+        if not op.tensor.is_contiguous():
+            raise ValueError(f"{where}: the tensor must be contiguous (call .contiguous())")
+
+
+def _listing(entries: Sequence[str]) -> str:
+    return "[" + "; ".join(entries) + "]" if entries else "nothing"
+
+
+def header_text(ops: Sequence[P2POp], peer: int) -> str:
+    """What this rank tells ``peer``: the ops it has with it, in order, as it sees them."""
+    sends = [op.entry() for op in ops if op.peer == peer and op.kind == "send"]
+    recvs = [op.entry() for op in ops if op.peer == peer and op.kind == "recv"]
+    return f"sends {_listing(sends)}, receives {_listing(recvs)}"
+
+
+def expected_text(ops: Sequence[P2POp], peer: int) -> str:
+    """The header ``peer`` must send for its ops to match this rank's: it sends what this
+    rank receives from it, and receives what this rank sends it."""
+    sends = [op.entry() for op in ops if op.peer == peer and op.kind == "recv"]
+    recvs = [op.entry() for op in ops if op.peer == peer and op.kind == "send"]
+    return f"sends {_listing(sends)}, receives {_listing(recvs)}"
+
+
+def encode_header(text: str) -> torch.Tensor:
+    """``text`` as a fixed-size uint8 tensor: magic, CRC-32 of the whole text, then as much
+    of the text as fits (the CRC decides a match; the text is for the error message)."""
+    raw = text.encode()
+    packed = _MAGIC + zlib.crc32(raw).to_bytes(4, "little") + raw[: HEADER_BYTES - _TEXT_START]
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header[: len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> tuple[int, str] | None:
+    """``(crc, text)`` of an encoded header, or None if it is not one."""
+    raw = bytes(header.tolist())
+    if raw[: len(_MAGIC)] != _MAGIC:
+        return None
+    crc = int.from_bytes(raw[len(_MAGIC) : _TEXT_START], "little")
+    return crc, raw[_TEXT_START:].rstrip(b"\0").decode(errors="replace")
+
+
+def mismatch_message(me: str, peer_name: str, expected: str, received: torch.Tensor) -> str | None:
+    """The error for a peer whose header differs from ``expected`` (None if it matches)."""
+    decoded = decode_header(received)
+    if decoded is not None and decoded[0] == zlib.crc32(expected.encode()):
+        return None
+    actual = "something that is not a p2p header" if decoded is None else decoded[1]
+    return (
+        f"{me}: the point-to-point calls of this rank and {peer_name} do not match (they took "
+        f"different code paths, or issued their calls in a different order). This rank "
+        f"expects {peer_name}: {expected}; {peer_name} announced: {actual}"
+    )
+
+
+class PeerToPeer:
+    """Issues batches of :class:`P2POp` for one ``Communicator`` (its group, counters and
+    logger), with the pairwise header check over gloo.
+
+    Args:
+        group: the process group (None = the default group).
+        rank / world_size: this rank's place in the group.
+        to_global: the default-group rank of a group rank (what torch's p2p calls take).
+        timeout: how long a wait lasts before raising (None: the backend's watchdog).
+        verify: exchange headers before each batch (gloo only).
+        stats / logger: the communicator's counters and comms logger.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        to_global: Callable[[int], int],
+        timeout: datetime.timedelta | None,
+        verify: bool,
+        stats: CommStats,
+        logger: CommsLogger,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self._to_global = to_global
+        self.timeout = timeout
+        self.verify = verify
+        self.stats = stats
+        self.logger = logger
+
+    def _name(self, rank: int) -> str:
+        if self.group is None:
+            return f"rank {rank}"
+        return f"rank {rank} (global rank {self._to_global(rank)})"
+
+    def _describe(self, ops: Sequence[P2POp]) -> str:
+        parts = [
+            f"{op.kind} of {op.entry()} {'to' if op.kind == 'send' else 'from'} rank {op.peer}"
+            for op in ops
+        ]
+        return f"{self._name(self.rank)}: " + ", ".join(parts)
+
+    def exchange(self, ops: Sequence[P2POp], *, async_op: bool = False) -> Handle:
+        """Issue ``ops`` together; see :meth:`Communicator.exchange`."""
+        check_ops(ops, self.rank, self.world_size)
+        ops = list(ops)
+
+        def describe() -> str:
+            return self._describe(ops)
+
+        if not ops:
+            return Handle(None, describe)
+        for op in ops:
+            self.stats.record(op.kind, op.purpose, op.tensor.numel() * op.tensor.element_size())
+        if self.verify:
+            self._check_headers(ops)
+        sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.kind == "send")
+        got = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.kind == "recv")
+        kinds = {op.kind for op in ops}
+        timer = self.logger.start(
+            kinds.pop() if len(kinds) == 1 else "send_recv",
+            ",".join(sorted({op.purpose for op in ops})),
+            max(sent, got),  # nccl-tests' sendrecv: the message size of one direction
+            ops[0].tensor.device,
+            ops[0].label if len({op.label for op in ops}) == 1 else None,
+        )
+        try:
+            works = dist.batch_isend_irecv([self._torch_op(op) for op in ops])
+        except Exception as exc:
+            raise CollectiveError(failure_message(describe(), exc, P2P_HINT)) from exc
+        on_done = timer.stopping(None, overlapped=async_op) if timer is not None else None
+        handle = Handle(works, describe, on_done, self.timeout, hint=P2P_HINT)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _torch_op(self, op: P2POp) -> dist.P2POp:
+        fn = dist.isend if op.kind == "send" else dist.irecv
+        return dist.P2POp(fn, op.tensor, self._to_global(op.peer), group=self.group)
+
+    def _check_headers(self, ops: Sequence[P2POp]) -> None:
+        """Swap a header with every peer of ``ops``; raise on both sides of a mismatch."""
+        peers = sorted({op.peer for op in ops})
+        received = {peer: torch.zeros(HEADER_BYTES, dtype=torch.uint8) for peer in peers}
+        torch_ops = []
+        for peer in peers:
+            header = encode_header(header_text(ops, peer))
+            torch_ops.append(dist.P2POp(dist.isend, header, self._to_global(peer), self.group))
+            torch_ops.append(
+                dist.P2POp(dist.irecv, received[peer], self._to_global(peer), self.group)
+            )
+        me = self._name(self.rank)
+        works = dist.batch_isend_irecv(torch_ops)
+        for i, work in enumerate(works):
+            peer = peers[i // 2]
+            try:
+                work.wait(self.timeout) if self.timeout is not None else work.wait()
+            except Exception as exc:
+                seconds = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
+                raise CollectiveError(
+                    f"{me}: {self._name(peer)} did not issue the matching point-to-point call"
+                    f"{seconds} (it exited, is stuck, or took another code path); this rank "
+                    f"is in {self._describe(ops).split(': ', 1)[1]} ({exc})"
+                ) from exc
+        for peer in peers:
+            problem = mismatch_message(
+                me, self._name(peer), expected_text(ops, peer), received[peer]
+            )
+            if problem is not None:
+                raise CollectiveError(problem)
