@@ -43,7 +43,7 @@ def _rank_tensors(engine: Any) -> dict[str, torch.Tensor]:
     out = {}
     for unit in engine.strategy.units:
         out[f"u{unit.index}.param"] = unit.buffer.owned_slice(*unit.owned).clone()
-    for j, slot in enumerate(regions.optimizer_slots(engine)):
+    for j, slot in enumerate(regions.optimizer_slots(engine.checkpoint_state())):
         for key, value in engine.optimizer.state[slot.tensor].items():
             if value.numel() > 1:
                 out[f"s{j}.{key}"] = value.clone()

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from zerotrain.checkpoint.directory import read_latest
+
 
 def _demo(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "zerotrain.cli.main", "demo", "--steps", str(steps)]
@@ -44,4 +46,4 @@ def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
     assert "activation checkpointing: 4 block(s)" in resumed.stdout + resumed.stderr
     summary = (tmp_path / "summary.txt").read_text()
     assert "steps 31-40" in summary
-    assert (checkpoints / "latest").read_text() == "global_step40"
+    assert read_latest(checkpoints).tag == "global_step40"

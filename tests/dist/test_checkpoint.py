@@ -34,6 +34,7 @@ from zerotrain.checkpoint import (
     load_state_dict_from_checkpoint,
 )
 from zerotrain.checkpoint import regions
+from zerotrain.checkpoint.directory import read_latest
 from zerotrain.checkpoint.safetensors_io import StreamingWriter
 from zerotrain.testing.dist import DistributedTestError, run_distributed
 
@@ -123,7 +124,7 @@ def test_resume_continues_bitwise(tmp_path: Path, stage: int, precision: str | N
     assert resumed[0]["losses"] == uninterrupted[0]
     assert resumed[0]["client"] == {"note": "ten steps", "step": 10}
     assert resumed[0]["path"] == str(tmp_path / "global_step10")
-    assert (tmp_path / "latest").read_text() == "global_step10"
+    assert read_latest(tmp_path).tag == "global_step10"
 
 
 def test_resume_fp16_continues_bitwise_with_its_loss_scale(tmp_path: Path) -> None:
@@ -144,7 +145,7 @@ def _matches_checkpoint(engine, model, path: str) -> int:
             assert torch.equal(param.detach(), reader.tensor(name)), name
     names = regions.canonical_names(model)
     compared = 0
-    for slot in regions.optimizer_slots(engine):
+    for slot in regions.optimizer_slots(engine.checkpoint_state()):
         unit_names = regions.unit_names(slot.unit, names)
         state = engine.optimizer.state[slot.tensor]
         assert float(state["step"]) == reader.manifest.global_steps
@@ -222,7 +223,7 @@ def test_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path: P
     spec = RunSpec(stage=3, micro_batch=2, grad_accum=1)
     with pytest.raises(DistributedTestError, match="(?i)signal|killed|exit"):
         run_distributed(_save_then_die, 2, spec, str(tmp_path))
-    assert (tmp_path / "latest").read_text() == "good"
+    assert read_latest(tmp_path).tag == "good"
     assert not (tmp_path / "doomed").exists()
     partial = tmp_path / ".doomed.partial"
     assert partial.is_dir() and not (partial / "manifest.json").exists()
@@ -236,7 +237,7 @@ def test_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path: P
     assert resumed[0]["loaded"] == str(tmp_path / "good") and resumed[0]["steps"] == 3
     assert resumed[0]["losses"][0] == pytest.approx(resumed[0]["losses"][0])  # finite
     assert not partial.exists()  # the next save cleared the leftover
-    assert (tmp_path / "latest").read_text() == "after"
+    assert read_latest(tmp_path).tag == "after"
 
 
 def _save_three(spec: RunSpec, path: str) -> None:

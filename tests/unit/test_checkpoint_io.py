@@ -8,8 +8,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from zerotrain.checkpoint.directory import check_tag
 from zerotrain.checkpoint.errors import CorruptCheckpointError
-from zerotrain.checkpoint.manifest import check_tag
 from zerotrain.checkpoint.safetensors_io import (
     SafetensorsReader,
     StreamingWriter,

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.checkpoint.manifest import resolve
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
 from zerotrain.config.policies import DTYPE_BY_NAME
@@ -51,7 +50,7 @@ def iter_state_dict(
     verify: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, tensor)`` of the model's full state dict, one tensor at a time."""
-    reader = CheckpointReader(resolve(load_dir, tag))
+    reader = CheckpointReader.open(load_dir, tag)
     if verify:
         reader.verify()
     for key, name in _entries(reader):
@@ -76,7 +75,7 @@ def consolidate(
     """Write the model's full state dict to the safetensors file ``out``, one tensor at a
     time (written to ``out``'s directory first, then renamed); returns its size in bytes."""
     started = time.perf_counter()
-    reader = CheckpointReader(resolve(load_dir, tag))
+    reader = CheckpointReader.open(load_dir, tag)
     reader.verify()
     entries = _entries(reader)
     specs = []

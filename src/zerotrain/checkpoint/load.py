@@ -1,37 +1,39 @@
-"""``Engine.load_checkpoint``: fill this engine's units, optimizer and counters from a
-checkpoint written by any number of ranks at any ZeRO stage and precision.
+"""``load_checkpoint``: fill a job's units, optimizer and counters from a checkpoint written
+by any grid of ranks at any ZeRO stage and precision (format 1 or 2).
 
 Each rank reads only what it keeps authoritatively (its shard of each unit; everything at
-stage 0), by parameter name and element range; stages 1-2 then all-gather parameters as after
-an optimizer step. Files are checked (size, CRC-32) before anything is read, each rank taking
-a share of them, and every rank raises if any file is bad.
+stage 0), by parameter name and region of the global tensor: the intersection of each saved
+fragment with the wanted region (``checkpoint/boxes.py``). Stages 1-2 then all-gather
+parameters as after an optimizer step. The manifest (and ``latest``) are verified by every
+rank, the other files (size, CRC-32) by a share of the ranks each, before anything is read;
+every rank raises if any is bad.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zerotrain.checkpoint import regions, rng
+from zerotrain.checkpoint.boxes import Region, shared_count
+from zerotrain.checkpoint.directory import locate
 from zerotrain.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
-from zerotrain.checkpoint.manifest import Manifest, read_manifest, resolve
+from zerotrain.checkpoint.manifest import Manifest
 from zerotrain.checkpoint.reader import CheckpointReader
-from zerotrain.checkpoint.save import agree
+from zerotrain.checkpoint.save import agree, check_same_directory
+from zerotrain.checkpoint.state import Counters, TrainState
 from zerotrain.config.policies import DTYPE_BY_NAME
+from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from zerotrain.engine.engine import Engine
 
 log = get_logger(__name__)
 
@@ -46,22 +48,23 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
 
 
-def _model_shapes(engine: Engine) -> dict[str, tuple[int, ...]]:
+def _model_shapes(state: TrainState) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor this rank holds, by name."""
     shapes = {}
-    names_by_id = regions.canonical_names(engine.module)
-    for unit in engine.strategy.units:
+    names_by_id = regions.canonical_names(state.module)
+    for unit in state.sharded.units:
         names = regions.unit_names(unit, names_by_id)
         for name, spec in zip(names, unit.buffer.layout.params, strict=True):
-            shapes[name] = spec.shape
-    for name, param in regions.loose_parameters(engine):
+            shapes[name] = regions.local_box(spec.shape).lengths
+    for name, param in regions.loose_parameters(state.module, state.sharded):
         shapes[name] = tuple(param.shape)
-    for name, buffer in regions.persistent_buffers(engine.module):
+    for name, buffer in regions.persistent_buffers(state.module):
         shapes.setdefault(name, tuple(buffer.shape))
     return shapes
 
 
-def _match_model(engine: Engine, manifest: Manifest, path: Path, strict: bool) -> LoadReport:
-    ours = _model_shapes(engine)
+def _match_model(state: TrainState, manifest: Manifest, path: Path, strict: bool) -> LoadReport:
+    ours = _model_shapes(state)
     aliases = set(manifest.aliases)
     theirs = {n: tuple(t.shape) for n, t in manifest.tensors.items()}
     wrong = [
@@ -99,10 +102,26 @@ def _match_model(engine: Engine, manifest: Manifest, path: Path, strict: bool) -
     return report
 
 
-def _load_params(engine: Engine, reader: CheckpointReader) -> None:
-    names_by_id = regions.canonical_names(engine.module)
-    for unit in engine.strategy.units:
+def _read_span(
+    reader: CheckpointReader,
+    kind: str,
+    source: str,
+    span: regions.Span,
+    shape: tuple[int, ...],
+    out: torch.Tensor,
+    *,
+    partial: bool = False,
+) -> int:
+    """Fill ``out`` with ``span`` of this rank's parameter (local ``shape``) from ``source``."""
+    return reader.read_region_into(kind, source, regions.region(span, shape), out, partial=partial)
+
+
+def _load_params(state: TrainState, reader: CheckpointReader) -> None:
+    names_by_id = regions.canonical_names(state.module)
+    units = state.sharded.units
+    for unit in units:
         names = regions.unit_names(unit, names_by_id)
+        shapes = {n: spec.shape for n, spec in zip(names, unit.buffer.layout.params, strict=True)}
         # What this rank keeps authoritatively: its shard, or everything when unsharded.
         a, b = unit.owned
         b = min(b, unit.buffer.layout.numel)
@@ -113,11 +132,13 @@ def _load_params(engine: Engine, reader: CheckpointReader) -> None:
                     continue
                 at = a + span.at
                 out = regions.param_values(unit, at, at + span.hi - span.lo)
+                wanted = regions.region(span, shapes[span.name])
                 # fp32 values come from the master copy where one was saved.
-                use_master = out.dtype == torch.float32 and reader.covers(
-                    "master", source, span.lo, span.hi
+                use_master = out.dtype == torch.float32 and reader.covers_region(
+                    "master", source, wanted
                 )
-                reader.read_into("master" if use_master else "param", source, span.lo, out)
+                kind = "master" if use_master else "param"
+                _read_span(reader, kind, source, span, shapes[span.name], out)
             if unit.master is not None:
                 mlo, mhi = unit.master_range
                 for span in regions.spans(unit, names, mlo, mhi):
@@ -125,37 +146,41 @@ def _load_params(engine: Engine, reader: CheckpointReader) -> None:
                     if source is None:
                         continue
                     out = unit.master[span.at : span.at + span.hi - span.lo]
-                    saved = reader.covers("master", source, span.lo, span.hi)
-                    reader.read_into("master" if saved else "param", source, span.lo, out)
+                    wanted = regions.region(span, shapes[span.name])
+                    saved = reader.covers_region("master", source, wanted)
+                    kind = "master" if saved else "param"
+                    _read_span(reader, kind, source, span, shapes[span.name], out)
                 unit.publish()
-    engine.strategy.refresh_params()
+    state.sharded.refresh_params()
     with torch.no_grad():
-        for name, param in regions.loose_parameters(engine):
+        for name, param in regions.loose_parameters(state.module, state.sharded):
             if (source := reader.stored_name(name)) is not None:
                 param.data.copy_(reader.tensor(source, param.dtype))
-        for name, buffer in regions.persistent_buffers(engine.module):
+        for name, buffer in regions.persistent_buffers(state.module):
             if (source := reader.stored_name(name)) is not None:
                 buffer.data.copy_(reader.tensor(source, buffer.dtype))
 
 
 def _slot_scalars(
-    manifest: Manifest, spans: list[regions.Span], where: str
+    manifest: Manifest, wanted: list[tuple[str, Region]], where: str
 ) -> dict[str, tuple[float, str | None]]:
-    """The scalar states (Adam's step) of a new optimizer tensor covering ``spans``: the
+    """The scalar states (Adam's step) of a new optimizer tensor covering ``wanted``: the
     values saved for the tensors that covered the same elements (when they disagree, which
     happens only when some parameters skipped steps unused, the one covering most wins)."""
-    assert manifest.optimizer is not None
+    invariant(manifest.optimizer is not None, f"{where}: scalars without optimizer states")
     votes: dict[str, Counter[tuple[float, str | None]]] = {}
-    wanted = {(s.name): (s.lo, s.hi) for s in spans}
-    for saved in manifest.optimizer.scalars:
-        overlap = 0
-        for name, lo, hi in saved.spans:
-            if name in wanted:
-                a, b = wanted[name]
-                overlap += max(0, min(b, hi) - max(a, lo))
-        if overlap:
+    regions_by_name: dict[str, list[Region]] = {}
+    for name, region in wanted:
+        regions_by_name.setdefault(name, []).append(region)
+    for saved in manifest.optimizer.scalars if manifest.optimizer is not None else []:
+        shared = sum(
+            shared_count(place.region(), region)
+            for place in saved.spans
+            for region in regions_by_name.get(place.name, [])
+        )
+        if shared:
             for key, scalar in saved.values.items():
-                votes.setdefault(key, Counter())[scalar.value, scalar.dtype] += overlap
+                votes.setdefault(key, Counter())[scalar.value, scalar.dtype] += shared
     chosen = {}
     for key, counter in votes.items():
         if len(counter) > 1:
@@ -164,12 +189,12 @@ def _slot_scalars(
     return chosen
 
 
-def _load_optimizer(engine: Engine, reader: CheckpointReader) -> None:
-    optimizer = engine.optimizer
+def _load_optimizer(state: TrainState, reader: CheckpointReader) -> None:
+    optimizer = state.optimizer
     info = reader.manifest.optimizer
     path = reader.path
     if optimizer is None:
-        log.info("%s: this engine has no optimizer; optimizer states not loaded", path)
+        log.info("%s: this job has no optimizer; optimizer states not loaded", path)
         return
     if info is None:
         raise IncompatibleCheckpointError(
@@ -178,39 +203,42 @@ def _load_optimizer(engine: Engine, reader: CheckpointReader) -> None:
     if info.type != type(optimizer).__name__ or len(info.groups) != len(optimizer.param_groups):
         raise IncompatibleCheckpointError(
             f"{path} holds the states of {info.type} with {len(info.groups)} param group(s); "
-            f"this engine steps {type(optimizer).__name__} with {len(optimizer.param_groups)}: "
+            f"this job steps {type(optimizer).__name__} with {len(optimizer.param_groups)}: "
             "load with load_optimizer_states=False to take only the weights"
         )
-    names_by_id = regions.canonical_names(engine.module)
-    states = sorted(k.removeprefix("optim.") for k in reader.kinds() if k.startswith("optim."))
-    for slot in regions.optimizer_slots(engine):
+    names_by_id = regions.canonical_names(state.module)
+    kinds = sorted(k.removeprefix("optim.") for k in reader.kinds() if k.startswith("optim."))
+    for slot in regions.optimizer_slots(state):
         names = regions.unit_names(slot.unit, names_by_id)
+        shapes = dict(zip(names, (p.shape for p in slot.unit.buffer.layout.params), strict=True))
         spans = [
-            dataclasses.replace(s, name=source)
+            (source, regions.region(s, shapes[s.name]), s)
             for s in regions.spans(slot.unit, names, slot.start, slot.end)
             if (source := reader.stored_name(s.name)) is not None
         ]
-        state: dict[str, Any] = {}
-        for key in states:
+        values: dict[str, Any] = {}
+        for key in kinds:
             kind = f"optim.{key}"
-            dtypes = [reader.dtype(kind, s.name) for s in spans]
+            dtypes = [reader.dtype(kind, source) for source, _, _ in spans]
             dtype = next((d for d in dtypes if d is not None), None)
             if dtype is None:
                 continue
             value = torch.zeros(slot.tensor.numel(), dtype=dtype, device=slot.tensor.device)
-            for s in spans:
-                reader.read_into(kind, s.name, s.lo, value[s.at : s.at + s.hi - s.lo], partial=True)
-            state[key] = value.view(slot.tensor.shape)
-        if state:
+            for source, region, s in spans:
+                out = value[s.at : s.at + s.hi - s.lo]
+                reader.read_region_into(kind, source, region, out, partial=True)
+            values[key] = value.view(slot.tensor.shape)
+        if values:
+            wanted = [(source, region) for source, region, _ in spans]
             for key, (number, dtype_name) in _slot_scalars(
-                reader.manifest, spans, str(path)
+                reader.manifest, wanted, str(path)
             ).items():
-                state[key] = (
+                values[key] = (
                     torch.tensor(number, dtype=DTYPE_BY_NAME[dtype_name], device=slot.tensor.device)
                     if dtype_name is not None
                     else number
                 )
-            optimizer.state[slot.tensor] = state
+            optimizer.state[slot.tensor] = values
         else:
             optimizer.state.pop(slot.tensor, None)
     for group, saved in zip(optimizer.param_groups, info.groups, strict=True):
@@ -222,9 +250,10 @@ def _load_optimizer(engine: Engine, reader: CheckpointReader) -> None:
                 group[key] = tuple(value) if isinstance(current, tuple) else value
 
 
-def _load_rng(engine: Engine, reader: CheckpointReader) -> None:
+def _load_rng(state: TrainState, reader: CheckpointReader) -> None:
     manifest = reader.manifest
-    rank, world = engine.comm.rank, engine.comm.world_size
+    placement = state.placement
+    rank, world = placement.global_rank, placement.topology.world_size
     if world != manifest.world_size and rank == 0:
         log.warning(
             "%s was saved by %d rank(s), loaded by %d: ranks below %d resume their saved random "
@@ -242,7 +271,7 @@ def _load_rng(engine: Engine, reader: CheckpointReader) -> None:
         value = reader.rank_tensor(rank, key)
         if value is not None:
             tensors[key] = value
-    rng.restore(manifest.rng[rank], tensors, engine.device)
+    rng.restore(manifest.rng[rank], tensors, placement.device)
 
 
 def _load_client_state(path: Path, manifest: Manifest) -> Any:
@@ -257,8 +286,30 @@ def _load_client_state(path: Path, manifest: Manifest) -> Any:
         raise CorruptCheckpointError(f"{file}: cannot be loaded ({exc})") from exc
 
 
+def _open_verified(
+    state: TrainState, load_dir: str | os.PathLike[str], tag: str | None
+) -> CheckpointReader:
+    """The checkpoint, its manifest verified on every rank and its files split among the
+    ranks of the job; every rank raises if any check failed anywhere."""
+    placement = state.placement
+    world = placement.world
+    check_same_directory(world, "load_dir", Path(load_dir))
+    error: BaseException | None = None
+    reader: CheckpointReader | None = None
+    try:
+        reader = CheckpointReader(*locate(load_dir, tag))
+        files = sorted(reader.manifest.files)
+        reader.verify(files[placement.global_rank :: placement.topology.world_size])
+    except Exception as exc:
+        error = exc
+    agree(world, error, "checking the checkpoint's files")
+    if reader is None:  # agree() raised on every rank if opening failed on any
+        raise CheckpointError("internal: the checkpoint was not opened")
+    return reader
+
+
 def load_checkpoint(
-    engine: Engine,
+    state: TrainState,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     *,
@@ -267,55 +318,36 @@ def load_checkpoint(
     load_module_only: bool = False,
     strict: bool = True,
 ) -> tuple[str, Any, LoadReport]:
-    """Load a checkpoint into ``engine`` (collective); returns its path, the saved
-    ``client_state`` and what matched."""
-    if engine._backward_pending_step:
-        raise RuntimeError("load_checkpoint() between backward() and step(): call step() first")
-    comm = engine.comm
-    error: BaseException | None = None
-    reader: CheckpointReader | None = None
-    try:
-        path = resolve(load_dir, tag)
-        reader = CheckpointReader(path, read_manifest(path))
-        files = sorted(reader.manifest.files)
-        reader.verify(files[comm.rank :: comm.world_size])
-    except Exception as exc:
-        error = exc
-    agree(comm, error, "checking the checkpoint's files")
-    assert reader is not None
+    """Load a checkpoint into ``state`` (collective over every rank of the job).
+
+    Returns:
+        The checkpoint's path, the saved ``client_state`` and what matched.
+
+    Raises:
+        CheckpointNotFoundError: no such checkpoint, or an interrupted save.
+        CorruptCheckpointError: a file (shard, manifest, client state, ``latest``) fails its
+            check; the message names it.
+        IncompatibleCheckpointError: a different model or optimizer.
+    """
+    state.check_can_load()
+    reader = _open_verified(state, load_dir, tag)
     manifest = reader.manifest
-    report = _match_model(engine, manifest, reader.path, strict)
+    report = _match_model(state, manifest, reader.path, strict)
     try:
-        engine.strategy.zero_grads()
+        state.sharded.zero_grads()
         # Swapped-out states (NVMe offload) are filled in memory and written to their files.
-        with engine.strategy.resident(write_back=True):
-            _load_params(engine, reader)
+        with state.sharded.resident(write_back=True):
+            _load_params(state, reader)
             if not load_module_only and load_optimizer_states:
-                _load_optimizer(engine, reader)
+                _load_optimizer(state, reader)
         if not load_module_only:
-            if load_lr_scheduler_states and engine.lr_scheduler is not None:
-                if manifest.scheduler is None:
-                    log.warning("%s has no lr scheduler state; the schedule starts over", path)
-                else:
-                    engine.lr_scheduler.load_state_dict(manifest.scheduler)
-            if engine.loss_scaler is not None and manifest.loss_scaler is not None:
-                engine.loss_scaler.load_state_dict(manifest.loss_scaler)
-            engine.global_steps = manifest.global_steps
-            engine.global_samples = manifest.global_samples
-            # The next micro-step starts a window (a partial window's gradients are not
-            # saved), also when the accumulation steps differ from the saving run's.
-            engine.micro_steps = manifest.global_steps * engine.gradient_accumulation_steps()
-            engine.skipped_steps = manifest.skipped_steps
-            _load_rng(engine, reader)
-            if engine.training_dataloader is not None and manifest.data is not None:
-                engine.training_dataloader.load_state_dict(manifest.data)
+            _load_progress(state, reader, load_lr_scheduler_states)
         client_state = _load_client_state(reader.path, manifest)
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"loading {reader.path} failed: {exc}") from exc
-    engine.window_losses.clear()
-    if comm.rank == 0:
+    if state.placement.global_rank == 0:
         log.info(
             "loaded checkpoint %s (saved by %d rank(s) at ZeRO stage %d, step %d)",
             reader.path,
@@ -324,3 +356,26 @@ def load_checkpoint(
             manifest.global_steps,
         )
     return str(reader.path), client_state, report
+
+
+def _load_progress(state: TrainState, reader: CheckpointReader, scheduler: bool) -> None:
+    """Schedule, loss scale, counters, random states and data position."""
+    manifest = reader.manifest
+    if scheduler and state.lr_scheduler is not None:
+        if manifest.scheduler is None:
+            log.warning("%s has no lr scheduler state; the schedule starts over", reader.path)
+        else:
+            state.lr_scheduler.load_state_dict(manifest.scheduler)
+    if state.loss_scaler is not None and manifest.loss_scaler is not None:
+        state.loss_scaler.load_state_dict(manifest.loss_scaler)
+    state.restore_counters(
+        Counters(
+            manifest.global_steps,
+            manifest.global_samples,
+            manifest.micro_steps,
+            manifest.skipped_steps,
+        )
+    )
+    _load_rng(state, reader)
+    if state.data_loader is not None and manifest.data is not None:
+        state.data_loader.load_state_dict(manifest.data)

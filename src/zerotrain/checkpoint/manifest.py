@@ -1,15 +1,21 @@
-"""The checkpoint directory: its manifest (JSON), file names, and the ``latest`` pointer.
+"""A checkpoint's manifest (JSON): what is stored where, and the checksums that verify it.
 
 A checkpoint is ``SAVE_DIR/TAG/`` holding ``manifest.json``, one ``rankNNNNN.safetensors``
-per saving rank and, if given, ``client_state.pt``. Every tensor element is addressed by
-(kind, name, range of the flattened tensor): ``kind`` is ``param``, ``master`` (fp32 master
-weights), ``buffer`` or ``optim.<state>`` (an element-wise optimizer state such as
-``optim.exp_avg``). The manifest's ``fragments`` say which file and key hold each range,
-so a loader with any number of ranks and any ZeRO stage reads exactly the ranges it needs.
+per saving rank (by global rank) and, if given, ``client_state.pt``. Every tensor element is
+addressed by kind and name plus a region of the global tensor: ``kind`` is ``param``,
+``master`` (fp32 master weights), ``buffer`` or ``optim.<state>`` (an element-wise optimizer
+state such as ``optim.exp_avg``); the region is a box of the global tensor (per-dimension
+offsets and lengths) and a flat range of that box (``checkpoint/boxes.py``). The manifest's
+``fragments`` say which file and key hold each region, so a loader with any grid and any
+ZeRO stage reads exactly the elements it needs.
+
+Format 1 (one data-parallel group, 1-D ranges of whole tensors) is read by upgrading its
+manifest to format 2's model: every range becomes a flat range of the whole-tensor box.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,31 +24,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from zerotrain.checkpoint.boxes import Box, Region
 from zerotrain.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 FORMAT = "zerotrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-LATEST = "latest"
 CLIENT_STATE = "client_state.pt"
-PARTIAL_SUFFIX = ".partial"
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]*")
-
-
-def shard_file(rank: int) -> str:
-    """Name of the file rank ``rank`` writes."""
-    return f"rank{rank:05d}.safetensors"
-
-
-def check_tag(tag: str) -> str:
-    """``tag`` if it can name a checkpoint directory, else ValueError."""
-    if not _TAG.fullmatch(tag) or tag == LATEST or tag.endswith(PARTIAL_SUFFIX):
-        raise ValueError(
-            f"checkpoint tag {tag!r} is not allowed: use letters, digits and _ . = + - (not "
-            f"starting with '.' or '-'), other than '{LATEST}' and not ending in "
-            f"'{PARTIAL_SUFFIX}'"
-        )
-    return tag
+# The manifest's checksum is the SHA-256 of the file as written with this placeholder in
+# place of the checksum itself, so every byte of the file is covered, whitespace included.
+_PLACEHOLDER = "sha256:" + "0" * 64
+_CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class _Model(BaseModel):
@@ -66,16 +59,48 @@ class FileInfo(_Model):
 
 
 class Fragment(_Model):
-    """Elements ``[lo, hi)`` of flattened ``name`` (of ``kind``) are stored in ``file`` under
-    ``key``, starting at element ``offset``."""
+    """Elements ``[lo, hi)`` of the box (``offsets``, ``lengths``) of global tensor ``name``
+    (of ``kind``, global ``shape``) are stored in ``file`` under ``key``, from element
+    ``offset``."""
 
     kind: str
     name: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
     lo: int
     hi: int
     file: str
     key: str
     offset: int
+
+    def region(self) -> Region:
+        """The elements this fragment holds."""
+        return Region(Box(self.offsets, self.lengths), self.lo, self.hi)
+
+
+class Place(_Model):
+    """A region of global tensor ``name``: flat range ``[lo, hi)`` of a box."""
+
+    name: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    lo: int
+    hi: int
+
+    def region(self) -> Region:
+        """The elements of the place."""
+        return Region(Box(self.offsets, self.lengths), self.lo, self.hi)
+
+
+class TopologyInfo(_Model):
+    """The grid that saved the checkpoint (``zerotrain.parallel.Topology``)."""
+
+    pipe: int
+    data: int
+    tensor: int
+    sequence: int
+    order: tuple[str, ...]
 
 
 class ScalarState(_Model):
@@ -87,10 +112,10 @@ class ScalarState(_Model):
 
 
 class SlotScalars(_Model):
-    """Scalar optimizer states of one optimizer tensor, and the parameter ranges that tensor
-    covered (``[name, lo, hi]``)."""
+    """Scalar optimizer states of one optimizer tensor, and the parameter regions that
+    tensor covered."""
 
-    spans: tuple[tuple[str, int, int], ...]
+    spans: tuple[Place, ...]
     values: dict[str, ScalarState]
 
 
@@ -109,7 +134,8 @@ class Manifest(_Model):
     version: int
     tag: str
     created: float
-    world_size: int
+    topology: TopologyInfo
+    world_size: int  # every rank of the job: one shard file and one random state each
     stage: int
     compute_dtype: str | None
     global_steps: int
@@ -124,8 +150,9 @@ class Manifest(_Model):
     scheduler: dict[str, Any] | None
     loss_scaler: dict[str, Any] | None
     data: dict[str, Any] | None
-    rng: list[dict[str, Any]]
+    rng: list[dict[str, Any]]  # by global rank
     client_state: str | None
+    checksum: str | None = None  # None only in format 1, which had none
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -153,8 +180,66 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _field(checksum: str) -> str:
+    return f'"checksum": "{checksum}"'
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> str:
+    """Write ``manifest`` (without its checksum) to ``path/manifest.json`` with its checksum
+    inside; returns the checksum."""
+    text = json.dumps({**manifest, "checksum": _PLACEHOLDER}, indent=1)
+    checksum = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    write_text_atomically(path / MANIFEST, text.replace(_field(_PLACEHOLDER), _field(checksum), 1))
+    return checksum
+
+
+def _verify_checksum(file: Path, text: str, raw: dict[str, Any]) -> None:
+    stored = raw.get("checksum")
+    if not isinstance(stored, str) or not _CHECKSUM.fullmatch(stored):
+        raise CorruptCheckpointError(f"{file} is corrupt: no valid checksum field ({stored!r})")
+    if text.count(_field(stored)) != 1:
+        raise CorruptCheckpointError(f"{file} is corrupt: its checksum field is malformed")
+    actual = hashlib.sha256(text.replace(_field(stored), _field(_PLACEHOLDER)).encode())
+    if "sha256:" + actual.hexdigest() != stored:
+        raise CorruptCheckpointError(
+            f"{file} is corrupt: its content has SHA-256 {actual.hexdigest()}, the checksum "
+            f"stored in it is {stored.removeprefix('sha256:')}"
+        )
+
+
+def _upgrade_v1(file: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 manifest in format 2's terms: one data-parallel group of ``world_size``
+    ranks, every range a flat range of the whole tensor."""
+    try:
+        shapes = {name: list(t["shape"]) for name, t in raw["tensors"].items()}
+        fragments = [
+            {**f, "shape": shapes[f["name"]], "offsets": [0] * len(shapes[f["name"]])}
+            | {"lengths": shapes[f["name"]]}
+            for f in raw["fragments"]
+        ]
+        optimizer = raw["optimizer"]
+        if optimizer is not None:
+            scalars = [
+                {
+                    "spans": [
+                        {"name": n, "offsets": [0] * len(shapes[n]), "lengths": shapes[n]}
+                        | {"lo": lo, "hi": hi}
+                        for n, lo, hi in entry["spans"]
+                    ],
+                    "values": entry["values"],
+                }
+                for entry in optimizer["scalars"]
+            ]
+            optimizer = {**optimizer, "scalars": scalars}
+        topology = {"pipe": 1, "data": raw["world_size"], "tensor": 1, "sequence": 1}
+        topology["order"] = ["pipe", "data", "sequence", "tensor"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{file}: malformed format-1 manifest: {exc!r}") from exc
+    return {**raw, "fragments": fragments, "optimizer": optimizer, "topology": topology}
+
+
 def read_manifest(path: Path) -> Manifest:
-    """The manifest of checkpoint directory ``path``."""
+    """The verified manifest of checkpoint directory ``path`` (format 1 or 2)."""
     file = path / MANIFEST
     if not file.is_file():
         raise CheckpointNotFoundError(
@@ -162,45 +247,22 @@ def read_manifest(path: Path) -> Manifest:
             "that was interrupted leaves no manifest)"
         )
     try:
-        raw = json.loads(file.read_text())
+        text = file.read_bytes().decode()
+        raw = json.loads(text)
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{file}: cannot be read as JSON ({exc})") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{file}: not a zerotrain checkpoint manifest")
-    if raw.get("version") != FORMAT_VERSION:
+    if raw.get("version") not in READABLE_VERSIONS:
         raise CorruptCheckpointError(
-            f"{file}: format version {raw.get('version')}, this zerotrain reads version "
-            f"{FORMAT_VERSION}"
+            f"{file}: format version {raw.get('version')}, this zerotrain reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if raw["version"] >= 2:
+        _verify_checksum(file, text, raw)
+    else:
+        raw = _upgrade_v1(file, raw)
     try:
         return Manifest.model_validate(raw)
     except ValidationError as exc:
         raise CorruptCheckpointError(f"{file}: malformed manifest: {exc}") from exc
-
-
-def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
-    """The directory of checkpoint ``tag`` under ``load_dir`` (the one ``latest`` names
-    when ``tag`` is None). ``load_dir`` may also be a checkpoint directory itself."""
-    root = Path(load_dir)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
-    if tag is None:
-        if (root / MANIFEST).is_file():
-            return root
-        pointer = root / LATEST
-        if not pointer.is_file() and any(root.glob("rank*.safetensors")):
-            raise CheckpointNotFoundError(
-                f"{root} holds shard files but no {MANIFEST}: an incomplete checkpoint (its "
-                "save was interrupted)"
-            )
-        if not pointer.is_file():
-            found = sorted(p.parent.name for p in root.glob(f"*/{MANIFEST}"))
-            raise CheckpointNotFoundError(
-                f"{pointer} does not exist, so no checkpoint is marked as the latest; pass a "
-                f"tag (complete checkpoints here: {found or 'none'})"
-            )
-        tag = pointer.read_text().strip()
-    path = root / tag
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
-    return path

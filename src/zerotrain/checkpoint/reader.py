@@ -1,4 +1,4 @@
-"""Reading a checkpoint by (kind, name, element range), whatever world size wrote it.
+"""Reading a checkpoint by (kind, name, region of the global tensor), whatever grid wrote it.
 
 This is the one module that needs to know the on-disk format to read it; the engine loader
 and the consolidation tool both go through it.
@@ -7,15 +7,19 @@ and the consolidation tool both go through it.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from zerotrain.checkpoint.boxes import Region, overlap, shared_count
+from zerotrain.checkpoint.directory import locate, shard_file
 from zerotrain.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
-from zerotrain.checkpoint.manifest import Fragment, Manifest, read_manifest, resolve, shard_file
+from zerotrain.checkpoint.manifest import Fragment, Manifest, read_manifest
 from zerotrain.checkpoint.safetensors_io import SafetensorsReader, file_crc32
+from zerotrain.utils.invariant import invariant
 
 
 class CheckpointReader:
@@ -28,14 +32,15 @@ class CheckpointReader:
         for fragment in self.manifest.fragments:
             index[fragment.kind, fragment.name].append(fragment)
         for fragments in index.values():
-            fragments.sort(key=lambda f: f.lo)
+            fragments.sort(key=lambda f: (f.offsets, f.lo))
         self._index = dict(index)
         self._files: dict[str, SafetensorsReader] = {}
 
     @classmethod
-    def open(cls, load_dir: str | Path, tag: str | None = None) -> CheckpointReader:
-        """The checkpoint ``tag`` under ``load_dir`` (default: the latest)."""
-        return cls(resolve(load_dir, tag))
+    def open(cls, load_dir: str | os.PathLike[str], tag: str | None = None) -> CheckpointReader:
+        """The checkpoint ``tag`` under ``load_dir`` (default: the one ``latest`` names),
+        its manifest verified."""
+        return cls(*locate(load_dir, tag))
 
     def _file(self, name: str) -> SafetensorsReader:
         if name not in self._files:
@@ -75,13 +80,19 @@ class CheckpointReader:
         """Every kind of data stored (``param``, ``master``, ``optim.exp_avg``, ...)."""
         return {kind for kind, _ in self._index}
 
+    def whole(self, name: str, lo: int, hi: int) -> Region:
+        """Elements ``[lo, hi)`` of the flattened whole tensor ``name``."""
+        return Region.of(tuple(self.manifest.tensors[name].shape), lo, hi)
+
     def covers(self, kind: str, name: str, lo: int, hi: int) -> bool:
-        """Whether ``[lo, hi)`` of ``name`` is stored as ``kind`` in full."""
-        position = lo
-        for f in self._index.get((kind, name), []):
-            if f.lo <= position < f.hi:
-                position = f.hi
-        return position >= hi
+        """Whether ``[lo, hi)`` of flattened ``name`` is stored as ``kind`` in full."""
+        return self.covers_region(kind, name, self.whole(name, lo, hi))
+
+    def covers_region(self, kind: str, name: str, region: Region) -> bool:
+        """Whether every element of ``region`` of ``name`` is stored as ``kind`` (the saved
+        fragments of one kind never overlap: the manifest merge drops replicated copies)."""
+        found = sum(shared_count(f.region(), region) for f in self._index.get((kind, name), []))
+        return found >= region.numel
 
     def dtype(self, kind: str, name: str) -> torch.dtype | None:
         """The dtype ``name`` is stored in as ``kind`` (None if it is not stored)."""
@@ -93,20 +104,34 @@ class CheckpointReader:
     def read_into(
         self, kind: str, name: str, lo: int, out: torch.Tensor, *, partial: bool = False
     ) -> int:
-        """Fill ``out`` (1-D) with elements ``[lo, lo + out.numel())`` of ``name`` stored as
-        ``kind``; returns how many elements were found. Unless ``partial``, every element
-        must be stored."""
-        hi = lo + out.numel()
+        """Fill ``out`` (1-D) with elements ``[lo, lo + out.numel())`` of flattened ``name``
+        stored as ``kind``; returns how many elements were found. Unless ``partial``, every
+        element must be stored."""
+        region = self.whole(name, lo, lo + out.numel())
+        return self.read_region_into(kind, name, region, out, partial=partial)
+
+    def read_region_into(
+        self, kind: str, name: str, region: Region, out: torch.Tensor, *, partial: bool = False
+    ) -> int:
+        """Fill ``out`` (1-D, ``region.numel`` elements) with ``region`` of ``name`` stored as
+        ``kind``: the intersection of each saved fragment with it. Returns how many elements
+        were found; unless ``partial``, every element must be stored."""
+        invariant(out.numel() == region.numel, f"{out.numel()} elements for {region}")
         found = 0
         for f in self._index.get((kind, name), []):
-            a, b = max(lo, f.lo), min(hi, f.hi)
-            if a < b:
-                self._file(f.file).read_into(f.key, f.offset + a - f.lo, out[a - lo : b - lo])
-                found += b - a
-        if not partial and found < hi - lo:
+            runs = overlap(f.region(), region)
+            if not runs:
+                continue
+            reader = self._file(f.file)
+            for run in runs:
+                reader.read_into(
+                    f.key, f.offset + run.source, out[run.target : run.target + run.length]
+                )
+                found += run.length
+        if not partial and found < region.numel:
             raise CorruptCheckpointError(
-                f"{self.path}: the manifest lists only {found} of elements [{lo}, {hi}) of "
-                f"{kind} '{name}'"
+                f"{self.path}: the manifest lists only {found} of the {region.numel} elements "
+                f"of {kind} '{name}' in {region}"
             )
         return found
 

@@ -1,29 +1,27 @@
-"""Where an engine keeps each piece of model state, in the checkpoint's coordinates.
+"""Where a training job keeps each piece of model state, in the checkpoint's coordinates.
 
-A checkpoint addresses state by parameter name and a range of the flattened parameter; the
-engine keeps it in units (flat buffers, whole or sharded) and optimizer tensors (flat pieces
-of a unit, or the model's own parameters for a user optimizer at stage 0). This module maps
+A checkpoint addresses state by parameter name and a region of the global tensor; the job
+keeps it in units (flat buffers, whole or sharded) and optimizer tensors (flat pieces of a
+unit, or the model's own parameters for a user optimizer at stage 0). This module maps
 between the two, for saving and for loading alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from zerotrain.checkpoint.boxes import Box, Region
+from zerotrain.checkpoint.state import ShardedStateView, TrainState
 from zerotrain.shard.unit import ShardedUnit
-
-if TYPE_CHECKING:
-    from zerotrain.engine.engine import Engine
 
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Elements ``[lo, hi)`` of flattened parameter ``name`` sit at offset ``at`` of a flat
-    range."""
+    """Elements ``[lo, hi)`` of this rank's flattened parameter ``name`` sit at offset
+    ``at`` of a flat range."""
 
     name: str
     lo: int
@@ -44,6 +42,19 @@ class Slot:
     def end(self) -> int:
         """One past the slot's last element in the unit's buffer."""
         return self.start + self.tensor.numel()
+
+
+def local_box(shape: tuple[int, ...]) -> Box:
+    """The box of the global tensor that this rank's parameter of ``shape`` covers.
+
+    Every rank holds whole parameters today; tensor parallelism will hand each rank a row
+    or column block here (its offsets in the global tensor and the global shape)."""
+    return Box.whole(shape)
+
+
+def region(span: Span, shape: tuple[int, ...]) -> Region:
+    """The global region of ``span`` of a parameter whose local shape is ``shape``."""
+    return Region(local_box(shape), span.lo, span.hi)
 
 
 def canonical_names(model: nn.Module) -> dict[int, str]:
@@ -67,8 +78,9 @@ def spans(unit: ShardedUnit, names: list[str], a: int, b: int) -> list[Span]:
 
 
 def write_range(unit: ShardedUnit, rank: int, world_size: int) -> tuple[int, int]:
-    """The part of the unit this rank writes. Sharded units: the shard; units every rank
-    holds whole are split evenly, so that each rank writes 1/N of them."""
+    """The part of the unit this rank writes (``rank`` of the ``world_size`` ranks sharing
+    it). Sharded units: the shard; units every rank holds whole are split evenly, so that
+    each rank writes 1/N of them."""
     if unit.zero.shard_optimizer:
         a, b = unit.owned
     else:
@@ -83,28 +95,29 @@ def param_values(unit: ShardedUnit, a: int, b: int) -> torch.Tensor:
     return unit.buffer.owned_slice(a, b)
 
 
-def optimizer_slots(engine: Engine) -> list[Slot]:
+def optimizer_slots(state: TrainState) -> list[Slot]:
     """Every tensor this rank's optimizer keeps state for."""
-    optimizer = engine.optimizer
+    optimizer = state.optimizer
     if optimizer is None:
         return []
     slots = []
-    if engine._steps_model_params:
+    units = state.sharded.units
+    if state.steps_model_params:
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for unit in engine.strategy.units:
+        for unit in units:
             for param, spec in zip(unit.buffer.params, unit.buffer.layout.params, strict=True):
                 if id(param) in stepped:
                     slots.append(Slot(param, unit, spec.start))
     else:
-        for unit in engine.strategy.units:
+        for unit in units:
             slots += [Slot(piece.param, unit, piece.start) for piece in unit.pieces]
     return slots
 
 
-def loose_parameters(engine: Engine) -> list[tuple[str, nn.Parameter]]:
+def loose_parameters(model: nn.Module, sharded: ShardedStateView) -> list[tuple[str, nn.Parameter]]:
     """Parameters outside every unit (frozen ones at stages 0-2), by name."""
-    managed = engine.strategy.managed()
-    return [(n, p) for n, p in engine.module.named_parameters() if id(p) not in managed]
+    managed = sharded.managed()
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in managed]
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

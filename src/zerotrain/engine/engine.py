@@ -34,6 +34,7 @@ from zerotrain.comm.env import DistEnv
 from zerotrain.comm.stats import CommSnapshot
 from zerotrain.config.policies import PrecisionPolicy, TrainingPolicy
 from zerotrain.engine.accounting import MemoryBreakdown, memory_breakdown
+from zerotrain.engine.checkpoint_state import EngineCheckpointState
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.engine.ranks import RankQueries
@@ -334,6 +335,10 @@ class Engine(RankQueries, nn.Module):
 
     # -- checkpoints ----------------------------------------------------------------------------
 
+    def checkpoint_state(self) -> EngineCheckpointState:
+        """This engine as the checkpoint layer sees it (``checkpoint.state.TrainState``)."""
+        return EngineCheckpointState(self)
+
     def save_checkpoint(
         self,
         save_dir: str | os.PathLike[str],
@@ -359,7 +364,7 @@ class Engine(RankQueries, nn.Module):
                 self.micro_steps % self.policy.batch.gradient_accumulation_steps,
                 self.policy.batch.gradient_accumulation_steps,
             )
-        return save_checkpoint(self, save_dir, tag, client_state, keep_last)
+        return save_checkpoint(self.checkpoint_state(), save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(
         self,
@@ -383,7 +388,7 @@ class Engine(RankQueries, nn.Module):
         ``IncompatibleCheckpointError`` (a different model or optimizer).
         """
         path, client_state, report = load_checkpoint(
-            self,
+            self.checkpoint_state(),
             load_dir,
             tag,
             load_optimizer_states=load_optimizer_states,
@@ -392,6 +397,7 @@ class Engine(RankQueries, nn.Module):
             strict=strict,
         )
         self.last_load_report = report
+        self.window_losses.clear()  # losses of the steps before the load are not reported
         return path, client_state
 
     def destroy(self, restore_params: bool = True) -> None:
