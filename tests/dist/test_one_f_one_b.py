@@ -152,3 +152,30 @@ def test_holding_units_across_backward_saves_gathers():
     # then kept; released: gathered again for every micro-batch's backward.
     assert held["param_gathers"] < released["param_gathers"], (held, released)
     assert max(held["live_after_backward"]) > held["persistent_bytes"]
+
+
+def _passes_after_forwards_without_backward() -> tuple[int, int, int]:
+    model = make_model(SPEC)
+    config = {
+        "train_batch_size": SPEC.micro_batch,
+        "optimizer": {"type": "SGD", "params": dict(SPEC.opt_params)},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    x, y = micro_batch(global_batches(SPEC, 1), SPEC, 0, 0, 0, 1)
+    gatherer = engine.strategy.gatherer
+    for _ in range(5):
+        engine(x, y)  # gradients on, never backpropagated: the graph is dropped at once
+    dropped = gatherer.outstanding_passes
+    kept = [engine(x, y) for _ in range(3)]  # graphs alive: their passes wait
+    alive = gatherer.outstanding_passes
+    engine.backward(sum(kept))  # one backward reaches all three
+    return dropped, alive, gatherer.outstanding_passes
+
+
+def test_forwards_no_backward_reaches_do_not_pile_up():
+    assert run_distributed(_passes_after_forwards_without_backward, 1, timeout=120)[0] == (
+        0,
+        3,
+        0,
+    )

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from zerotrain.checkpoint.merge import merge_indexes, write_index
 from zerotrain.checkpoint.plan import build_plan
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
 from zerotrain.checkpoint.state import TrainState
-from zerotrain.comm.agreement import disagreements
+from zerotrain.comm.agreement import disagreements, failed_ranks
 from zerotrain.comm.collectives import Communicator
 from zerotrain.utils.logging import get_logger
 
@@ -54,11 +53,7 @@ log = get_logger(__name__)
 def agree(comm: Communicator, error: BaseException | None, what: str) -> None:
     """Raise on every rank if ``error`` is set on any: the failing rank re-raises its own,
     the others name the ranks that failed."""
-    flags = torch.zeros(comm.world_size, dtype=torch.float64, device=comm.device)
-    flags[comm.rank] = 1.0 if error is not None else 0.0
-    if comm.world_size > 1:
-        comm.all_reduce(flags, purpose="control")
-    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    failed = failed_ranks(comm, error is not None)
     if error is not None:
         raise error
     if failed:
@@ -94,11 +89,13 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int
 def _check_same_tag(comm: Communicator, tag: str, validation: str) -> None:
     if comm.world_size == 1 or validation == "ignore":
         return
-    code = float(zlib.crc32(tag.encode()))
-    high, negated_low = comm.all_reduce_floats([code, -code], op="max")
-    if high == -negated_low:
+    differing = disagreements(comm, [("tag", repr(tag))])
+    if not differing:
         return
-    message = f"rank {comm.rank} saves checkpoint tag {tag!r}, but the ranks passed different tags"
+    message = (
+        f"rank {comm.rank} saves checkpoint tag {tag!r}, but the ranks passed different "
+        f"tags: {differing[0]}"
+    )
     if validation == "fail":
         raise ValueError(message + " (checkpoint.tag_validation is 'Fail')")
     log.warning("%s; each rank writes into its own tag's directory", message)

@@ -62,6 +62,17 @@ def disagreements(comm: Communicator, items: Sequence[tuple[str, str]]) -> list[
     return lines
 
 
+def failed_ranks(comm: Communicator, failed: bool) -> list[int]:
+    """The ranks that report a failure, the same list on every rank (collective: one small
+    all-reduce), so that every rank can stop together and say which ranks failed instead
+    of leaving the others waiting in their next collective."""
+    flags = torch.zeros(comm.world_size, dtype=torch.float64, device=comm.device)
+    flags[comm.rank] = 1.0 if failed else 0.0
+    if comm.world_size > 1:
+        comm.all_reduce(flags, purpose="control")
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+
 def _describe(items: Sequence[tuple[str, str]], k: int) -> tuple[str, str]:
     if k >= len(items):
         return MISSING, MISSING

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zerotrain.comm.agreement import failed_ranks
 from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import OffloadPolicy, PrecisionPolicy
 from zerotrain.offload.aio import AsyncFileIO
@@ -180,11 +181,13 @@ class Offload:
             except SwapError as error:
                 problem = str(error)
                 break
-        failed = self.comm.all_reduce_floats([1.0 if problem else 0.0], op="max")[0]
+        failed = failed_ranks(self.comm, problem is not None)
         if problem:
             raise SwapError(problem)
         if failed:
-            raise SwapError("another rank found its offload nvme_path unusable (see its error)")
+            raise SwapError(
+                f"rank(s) {failed} found their offload nvme_path unusable (see their errors)"
+            )
 
     @staticmethod
     def _filesystem_key(root: Path) -> float:

@@ -13,9 +13,10 @@
   reduction adds into it and its write is in flight, with its norm taken on the way out
   for clipping.
 
-Both scale by ``1 / pre_divide`` before the reduction and ``1 / post_divide`` after it, and
-reduce in the communication dtype: staging buffers have it (stages 2-3); a full buffer of
-another dtype is converted for the reduction and back (stages 0-1).
+Both take their scaling from ``divisors``: ``1 / pre_divide`` before the reduction and
+``1 / post_divide`` after it, and reduce in the communication dtype: staging buffers have
+it (stages 2-3); a full buffer of another dtype is converted for the reduction and back
+(stages 0-1).
 """
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ if TYPE_CHECKING:
     from zerotrain.offload.swapped import SwappedTensor, WriteBehind
 
 StagingProvider = Callable[[], torch.Tensor]
+
+
+def divisors(
+    policy: GradReducePolicy, accumulated: torch.dtype, wire: torch.dtype
+) -> tuple[float, float]:
+    """``(pre, post)``: what one reduction divides by before and after it (their product is
+    ranks x micro-steps when gradients accumulate for several micro-steps).
+
+    A wire narrower than the dtype the gradients accumulated in is sized for an average
+    gradient, not for a sum over ranks and micro-steps: everything is divided before
+    narrowing. Staged gradients (stages 2-3) are narrowed as they arrive, one micro-step at
+    a time (``accumulated`` is the wire dtype), and keep the policy's split (DeepSpeed's
+    ``gradient_predivide_factor``).
+    """
+    if wire.itemsize < accumulated.itemsize:
+        return policy.pre_divide * policy.post_divide, 1.0
+    return policy.pre_divide, policy.post_divide
 
 
 class FullGradients:
@@ -124,11 +142,7 @@ class FullGradients:
     ) -> CollectiveIO:
         """The reduction that averages the buffer across ranks (pre-divided already);
         ``shard`` holds the result when it is done."""
-        pre, post = policy.pre_divide, policy.post_divide
-        if self.comm_dtype.itemsize < self.flat.dtype.itemsize:
-            # A 16-bit wire format is sized for an average gradient, not for the sum over
-            # ranks and micro-steps: divide completely before narrowing.
-            pre, post = pre * post, 1.0
+        pre, post = divisors(policy, self.flat.dtype, self.comm_dtype)
         if pre != 1.0:
             self.flat.div_(pre)
         wire = self.flat if self.comm_dtype == self.flat.dtype else self.flat.to(self.comm_dtype)
@@ -271,13 +285,14 @@ class ShardedGradients:
         self._zero_unstaged(full)
         lo, hi = self.owned
         out = full[lo:hi]
-        if policy.pre_divide != 1.0:
-            full.div_(policy.pre_divide)
+        pre, post = divisors(policy, full.dtype, full.dtype)
+        if pre != 1.0:
+            full.div_(pre)
         overwrite, self._shard_is_zero = self._shard_is_zero, False
 
         def finish() -> None:
-            if policy.post_divide != 1.0:
-                out.div_(policy.post_divide)
+            if post != 1.0:
+                out.div_(post)
             if self.swap is not None:
                 self.swap.materialize(read=not overwrite)
             if overwrite:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -106,7 +107,10 @@ class ParamGatherer:
         # over for every outstanding pass (on every rank at the same point of the same
         # graph, unlike "every gradient arrived", which a parameter unused on one rank
         # changes).
-        self._passes: list[ForwardPass] = []
+        # Held weakly: a pass lives as long as its graph (whose post-backward nodes hold
+        # it), so forwards that no backward will reach (a metric computed with gradients
+        # on, never backpropagated) cannot pile up between optimizer steps.
+        self._passes: weakref.WeakSet[ForwardPass] = weakref.WeakSet()
         self._recording: ForwardPass | None = None
         self.on_backward_done: Callable[[int], None] | None = None
         self.reshard_after_backward = True
@@ -289,7 +293,7 @@ class ParamGatherer:
 
     def _new_pass(self) -> ForwardPass:
         record = ForwardPass([0] * len(self.units), [0] * len(self.units))
-        self._passes.append(record)
+        self._passes.add(record)
         return record
 
     def _post_backward(self, record: ForwardPass, u: int) -> None:
@@ -312,7 +316,8 @@ class ParamGatherer:
         """The backward pass is over: retire the forward passes it reached (the others
         stay outstanding for a later backward) and release what it gathered, unless
         ``reshard_after_backward`` is off."""
-        self._passes = [p for p in self._passes if not p.reached]
+        for record in [p for p in self._passes if p.reached]:
+            self._passes.discard(record)
         if self.reshard_after_backward:
             self.release_held()
             self.free_all()
@@ -366,7 +371,7 @@ class ParamGatherer:
         if self._in_forward == 0:
             recorded, self._recording = self._recording, None
             if recorded is not None and not any(recorded.calls):
-                self._passes.remove(recorded)  # nothing to signal: no backward reaches it
+                self._passes.discard(recorded)  # nothing to signal: no backward reaches it
             if not self._user_pins:  # a pass inside GatheredParameters may run on one rank
                 self._trace = self._current
             self.free_all()  # prefetched units the pass did not use after all
