@@ -58,7 +58,9 @@ class Communicator:
         device: where small control tensors (loss averages, flags) live; default: CUDA's
             current device for NCCL, else CPU.
         shared_memory: run CPU collectives through a shared-memory arena when every rank is
-            on this machine (default: when supported; ``ZEROTRAIN_SHM=0`` disables it).
+            on this machine, and point-to-point messages through pairwise shared-memory
+            channels with the peers that are (default: when supported; ``ZEROTRAIN_SHM=0``
+            disables both).
     """
 
     def __init__(

@@ -50,7 +50,7 @@ _PID, _HEADERS, _POSTED, _CONSUMED = 0, 1, 2, 3  # int64 fields of a side's cont
 _PEER_CHECK_S = 0.1
 
 #: Messages of at least this many bytes go through the channel (below: the backend). Chosen
-#: from benchmarks/RESULTS.md (2026-11-26).
+#: from benchmarks/RESULTS.md (2026-11-25, the pairwise channel).
 MIN_BYTES = 0
 SLOT_BYTES = 1 << 20
 SLOTS = 4
@@ -185,10 +185,6 @@ class PairChannel:
         if self._peer(_HEADERS) < self.headers:
             return None
         return self._cell(1 - self.side, self.headers - 1).clone()
-
-    def peer_attached(self) -> bool:
-        """Whether the other side has mapped the segment."""
-        return self._peer(_PID) != 0
 
     def send_chunks(self, src: torch.Tensor, done: int) -> int:
         """Copy chunks of ``src`` (uint8) from byte ``done`` into free slots; returns the new
