@@ -9,7 +9,10 @@ For each world size and message size (the bytes each rank sends), the median of
 * a ring exchange (every rank sends its message to the next rank and receives the previous
   rank's, both at once): ``Communicator.exchange`` over gloo with and without the pairwise
   header check, and the same traffic as an all-to-all through the arena (splits zero except
-  towards the next rank), an upper bound on what a shared-memory point-to-point path costs.
+  towards the next rank), an upper bound on what a shared-memory point-to-point path costs;
+* the same ring through the pairwise shared-memory channels (``comm/shm_p2p.py``): every
+  message in the channel (``ZEROTRAIN_SHM_P2P_MIN_BYTES=0``), and the header in the channel
+  with the payload over gloo (what messages below the threshold get).
 
     OMP_NUM_THREADS=1 python benchmarks/p2p_all_to_all.py
 """
@@ -35,6 +38,8 @@ COLUMNS = (
     "ring gloo",
     "ring gloo + header",
     "ring shm (a2a)",
+    "ring shm p2p",
+    "ring shm header + gloo",
 )
 
 
@@ -50,10 +55,10 @@ def _median_ms(fn: Callable[[], object], barrier: Callable[[], None], repeats: i
 
 
 def _runs(
-    comms: tuple[Communicator, Communicator, Communicator], x: torch.Tensor, y: torch.Tensor
+    comms: tuple[Communicator, ...], x: torch.Tensor, y: torch.Tensor
 ) -> dict[str, Callable[[], object]]:
     """Each measured call, sending ``x`` and receiving into ``y``."""
-    shared, gloo, unchecked = comms
+    shared, gloo, unchecked, channel, header_only = comms
     rank, n = shared.rank, shared.world_size
     nxt, prev = (rank + 1) % n, (rank - 1) % n
     ring = [P2POp.send(x, nxt, purpose="bench"), P2POp.recv(y, prev, purpose="bench")]
@@ -68,10 +73,18 @@ def _runs(
         "ring shm (a2a)": lambda: shared.all_to_all(
             y, x, input_split_sizes=ring_in, output_split_sizes=ring_out, purpose="bench"
         ),
+        "ring shm p2p": lambda: channel.exchange(ring),
+        "ring shm header + gloo": lambda: header_only.exchange(ring),
     }
 
 
-def _measure(sizes: list[int], repeats: int) -> dict[tuple[int, str], float]:
+def _measure(sizes: list[int], repeats: int, columns: list[str]) -> dict[tuple[int, str], float]:
+    # Read by each constructor: every message through the channel, then none.
+    os.environ["ZEROTRAIN_SHM_P2P_MIN_BYTES"] = "0"
+    channel = Communicator()
+    os.environ["ZEROTRAIN_SHM_P2P_MIN_BYTES"] = str(1 << 40)
+    header_only = Communicator()
+    del os.environ["ZEROTRAIN_SHM_P2P_MIN_BYTES"]
     shared = Communicator()
     gloo = Communicator(shared_memory=False)
     os.environ["ZEROTRAIN_VERIFY_COLLECTIVES"] = "0"  # read by the next constructor
@@ -82,8 +95,9 @@ def _measure(sizes: list[int], repeats: int) -> dict[tuple[int, str], float]:
     out: dict[tuple[int, str], float] = {}
     for size in sizes:
         numel = size // 4 // n * n
-        runs = _runs((shared, gloo, unchecked), torch.randn(numel), torch.empty(numel))
-        for name in COLUMNS:
+        comms = (shared, gloo, unchecked, channel, header_only)
+        runs = _runs(comms, torch.randn(numel), torch.empty(numel))
+        for name in columns:
             out[(size, name)] = _median_ms(runs[name], shared.barrier, repeats)
     return out
 
@@ -98,15 +112,20 @@ def main() -> None:
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--columns", default=",".join(COLUMNS), help="a subset, comma-separated")
     args = parser.parse_args()
     sizes = [_size(s) for s in args.sizes.split(",")]
-    head = " | ".join(f"{c} ms" for c in COLUMNS)
+    columns = args.columns.split(",")
+    unknown = sorted(set(columns) - set(COLUMNS))
+    if unknown:
+        parser.error(f"unknown columns {unknown}; known: {list(COLUMNS)}")
+    head = " | ".join(f"{c} ms" for c in columns)
     print(f"| ranks | bytes per rank | {head} |")
-    print("|---|---|" + "---|" * len(COLUMNS))
+    print("|---|---|" + "---|" * len(columns))
     for world in (int(w) for w in args.world_sizes.split(",")):
-        results = run_distributed(_measure, world, sizes, args.repeats, timeout=1800)[0]
+        results = run_distributed(_measure, world, sizes, args.repeats, columns, timeout=1800)[0]
         for size in sizes:
-            cells = " | ".join(f"{results[(size, c)]:.3f}" for c in COLUMNS)
+            cells = " | ".join(f"{results[(size, c)]:.3f}" for c in columns)
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
             print(f"| {world} | {label} | {cells} |")
 

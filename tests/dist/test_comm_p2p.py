@@ -166,8 +166,16 @@ def _mismatched_pair(case: str) -> str:
     return "no error"
 
 
-def test_send_recv_shape_mismatch_fails_on_both_sides_naming_both():
-    messages = run_distributed(_mismatched_pair, 2, "shape", timeout=60, comm_timeout=20)
+# Peers on one host check headers through their shared-memory channel, others over gloo:
+# the same messages either way.
+PATHS = {"shm": {}, "gloo": {"ZEROTRAIN_SHM": "0"}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_send_recv_shape_mismatch_fails_on_both_sides_naming_both(path):
+    messages = run_distributed(
+        _mismatched_pair, 2, "shape", timeout=60, comm_timeout=20, env=PATHS[path]
+    )
     for rank, message in enumerate(messages):
         assert message.startswith(
             f"rank {rank}: the point-to-point calls of this rank and rank {1 - rank}"
@@ -177,8 +185,11 @@ def test_send_recv_shape_mismatch_fails_on_both_sides_naming_both():
     assert "rank 1 announced: sends nothing, receives [activations [mb1] ((5,)" in messages[0]
 
 
-def test_send_met_by_send_fails_on_both_sides():
-    messages = run_distributed(_mismatched_pair, 2, "both_send", timeout=60, comm_timeout=20)
+@pytest.mark.parametrize("path", PATHS)
+def test_send_met_by_send_fails_on_both_sides(path):
+    messages = run_distributed(
+        _mismatched_pair, 2, "both_send", timeout=60, comm_timeout=20, env=PATHS[path]
+    )
     for rank, message in enumerate(messages):
         assert f"This rank expects rank {1 - rank}: sends nothing, receives [" in message
         assert f"rank {1 - rank} announced: sends [activations" in message
@@ -208,13 +219,20 @@ def _absent_peer() -> str:
     return "no error"
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("verify", ["1", "0"])
-def test_peer_that_never_sends_times_out_naming_it(verify):
-    env = {"ZEROTRAIN_VERIFY_COLLECTIVES": verify}
+def test_peer_that_never_sends_times_out_naming_it(verify, path):
+    env = {"ZEROTRAIN_VERIFY_COLLECTIVES": verify, **PATHS[path]}
     out = run_distributed(_absent_peer, 2, timeout=60, comm_timeout=20, env=env)[0]
     seconds, message = out.split("s: ", 1)
     assert float(seconds) < 2.5
-    if verify == "1":
+    if path == "shm":
+        # Headers travel with every message through the channel, checked or not.
+        assert message.startswith(
+            "rank 0: rank 1 did not issue the matching point-to-point call within 1 s"
+        )
+        assert message.endswith("from rank 1 (shared-memory channel)")
+    elif verify == "1":
         assert message.startswith(
             "rank 0: rank 1 did not issue the matching point-to-point call within 1 s"
         )

@@ -58,7 +58,9 @@ class Communicator:
         device: where small control tensors (loss averages, flags) live; default: CUDA's
             current device for NCCL, else CPU.
         shared_memory: run CPU collectives through a shared-memory arena when every rank is
-            on this machine (default: when supported; ``ZEROTRAIN_SHM=0`` disables it).
+            on this machine, and point-to-point messages through pairwise shared-memory
+            channels with the peers that are (default: when supported; ``ZEROTRAIN_SHM=0``
+            disables both).
     """
 
     def __init__(
@@ -85,10 +87,10 @@ class Communicator:
         self.comms_logger = CommsLogger(self.world_size)  # disabled until configure_logger
         if shared_memory is None:
             shared_memory = self.backend == "gloo" and self.world_size > 1
-        self._shm = (
+        self._shm, pairs = (
             open_group_arena(group, self.rank, self.world_size, self.timeout, self._global)
             if shared_memory
-            else None
+            else (None, None)
         )
         # Over plain gloo, ranks in mismatched collectives abort inside gloo (or exchange the
         # wrong data when sizes agree); a tiny signature check before each one turns that
@@ -99,8 +101,8 @@ class Communicator:
             and self.world_size > 1
             and _verification_enabled()
         )
-        # Point-to-point goes over the backend even when collectives use shared memory,
-        # so its pairwise header check depends only on the backend.
+        # Point-to-point has its own pairwise channels to the peers on this machine (the
+        # arena synchronises the whole group); the header check depends only on the backend.
         self._p2p = PeerToPeer(
             group=group,
             rank=self.rank,
@@ -110,6 +112,7 @@ class Communicator:
             verify=self.backend == "gloo" and _verification_enabled(),
             stats=self.stats,
             logger=self.comms_logger,
+            pairs=pairs,
         )
         # Whether the backend reduces a 16-bit float dtype on a device type (gloo lacks
         # bf16 in some torch builds, and for CUDA tensors); filled in on first use.
@@ -119,6 +122,18 @@ class Communicator:
     def uses_shared_memory(self) -> bool:
         """Whether CPU collectives go through a shared-memory arena."""
         return self._shm is not None
+
+    @property
+    def shared_memory_peers(self) -> tuple[int, ...]:
+        """Group ranks whose point-to-point messages can go through shared memory."""
+        pairs = self._p2p.pairs
+        return tuple(r for r in range(self.world_size) if pairs is not None and pairs.is_local(r))
+
+    @property
+    def open_p2p_channels(self) -> int:
+        """Shared-memory point-to-point channels this rank has mapped (opened on first use,
+        one per peer; ``PairSettings.segment_bytes()`` each)."""
+        return self._p2p.pairs.open_channels if self._p2p.pairs is not None else 0
 
     def _shared(self, *tensors: torch.Tensor) -> shm.ShmCollectives | None:
         """The shared-memory path, when it applies to these tensors."""

@@ -19,6 +19,14 @@ k-th exchange a rank issues involving a peer is checked against the k-th exchang
 issues involving it. The header round trip makes issuing wait until each peer issued its
 matching call (bounded by the timeout); ``async_op`` overlaps the payload.
 ``ZEROTRAIN_VERIFY_COLLECTIVES=0`` turns the headers off (set it alike on every rank).
+
+**Same machine.** Peers on this machine (when the communicator has shared memory) swap the
+same headers through a pairwise shared-memory channel instead (``shm_p2p.py``), and CPU
+messages of at least ``PairSettings.min_bytes`` move through it, a plain copy instead of
+gloo's TCP loopback; the rest of the batch goes over gloo as above. Headers always travel
+with messages carried in shared memory (they cost a few microseconds there). The channel
+copies on the calling thread: a batch with shared-memory messages returns once they moved
+(its handle is then complete), still only after each peer issued its matching call.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ import torch.distributed as dist
 
 from zerotrain.comm.comms_logger import CommsLogger
 from zerotrain.comm.handle import CollectiveError, Handle, describe_tensor, failure_message
+from zerotrain.comm.shm_p2p import PairWork, PeerStalledError, ShmPairs
 from zerotrain.comm.stats import CommStats
+from zerotrain.utils.invariant import invariant
 
 HEADER_BYTES = 512
 _MAGIC = b"ZTP1"  # a header, version 1 (anything else received is not a header)
@@ -77,7 +87,9 @@ class P2POp:
     def entry(self) -> str:
         """What this op carries, as both sides of the pair describe it."""
         about = f" [{self.label}]" if self.label else ""
-        return f"{self.purpose}{about} ({describe_tensor(self.tensor)})"
+        where = self.tensor.device.type
+        on = f" on {where}" if where != "cpu" else ""  # both sides must route alike
+        return f"{self.purpose}{about} ({describe_tensor(self.tensor)}{on})"
 
 
 def check_ops(ops: Sequence[P2POp], rank: int, world_size: int) -> None:
@@ -163,6 +175,7 @@ class PeerToPeer:
         timeout: how long a wait lasts before raising (None: the backend's watchdog).
         verify: exchange headers before each batch (gloo only).
         stats / logger: the communicator's counters and comms logger.
+        pairs: shared-memory channels to the peers on this machine (None: none).
     """
 
     def __init__(
@@ -176,6 +189,7 @@ class PeerToPeer:
         verify: bool,
         stats: CommStats,
         logger: CommsLogger,
+        pairs: ShmPairs | None = None,
     ) -> None:
         self.group = group
         self.rank = rank
@@ -185,6 +199,7 @@ class PeerToPeer:
         self.verify = verify
         self.stats = stats
         self.logger = logger
+        self.pairs = pairs
 
     def _name(self, rank: int) -> str:
         if self.group is None:
@@ -210,8 +225,19 @@ class PeerToPeer:
             return Handle(None, describe)
         for op in ops:
             self.stats.record(op.kind, op.purpose, op.tensor.numel() * op.tensor.element_size())
-        if self.verify:
-            self._check_headers(ops)
+        pairs = self.pairs
+        peers = {op.peer for op in ops}
+        local = {p for p in peers if pairs is not None and pairs.is_local(p)}
+        shared = [pairs is not None and pairs.carries(op.peer, op.tensor) for op in ops]
+        if self.verify and peers - local:
+            self._check_headers(ops, sorted(peers - local))
+        # Peers on this machine swap headers through their channel: with every batch when
+        # verifying, and always before messages that move there.
+        checked = (
+            local if self.verify else {op.peer for op, s in zip(ops, shared, strict=True) if s}
+        )
+        if checked:
+            self._run_shared(ops, [self._header_work(ops, peer) for peer in sorted(checked)])
         sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.kind == "send")
         got = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.kind == "recv")
         kinds = {op.kind for op in ops}
@@ -222,23 +248,69 @@ class PeerToPeer:
             ops[0].tensor.device,
             ops[0].label if len({op.label for op in ops}) == 1 else None,
         )
-        try:
-            works = dist.batch_isend_irecv([self._torch_op(op) for op in ops])
-        except Exception as exc:
-            raise CollectiveError(failure_message(describe(), exc, P2P_HINT)) from exc
-        on_done = timer.stopping(None, overlapped=async_op) if timer is not None else None
+        backend = [op for op, s in zip(ops, shared, strict=True) if not s]
+        works = None
+        if backend:
+            try:
+                works = dist.batch_isend_irecv([self._torch_op(op) for op in backend])
+            except Exception as exc:
+                raise CollectiveError(failure_message(describe(), exc, P2P_HINT)) from exc
+        if len(backend) < len(ops):
+            self._run_shared(ops, _data_works([op for op, s in zip(ops, shared, strict=True) if s]))
+        on_done = None
+        if timer is not None:
+            if works is None:
+                timer.stop(overlapped=False)  # finished inside the call (shared memory)
+            else:
+                on_done = timer.stopping(None, overlapped=async_op)
         handle = Handle(works, describe, on_done, self.timeout, hint=P2P_HINT)
         if not async_op:
             handle.wait()
         return handle
 
+    def _header_work(self, ops: Sequence[P2POp], peer: int) -> PairWork:
+        """The header swap with ``peer`` through its channel, raising on a mismatch."""
+        me, expected = self._name(self.rank), expected_text(ops, peer)
+
+        def check(received: torch.Tensor) -> None:
+            problem = mismatch_message(me, self._name(peer), expected, received)
+            if problem is not None:
+                raise CollectiveError(problem)
+
+        return PairWork(peer, encode_header(header_text(ops, peer)), check)
+
+    def _run_shared(self, ops: Sequence[P2POp], works: Sequence[PairWork]) -> None:
+        """Run ``works`` through the shared-memory channels; a late or dead peer becomes a
+        :class:`CollectiveError` naming it."""
+        invariant(self.pairs is not None, "shared-memory p2p without channels")
+        try:
+            self.pairs.run(works)  # type: ignore[union-attr]
+        except PeerStalledError as err:
+            raise CollectiveError(self._stalled_message(ops, err)) from err
+
+    def _stalled_message(self, ops: Sequence[P2POp], err: PeerStalledError) -> str:
+        me, peer = self._name(self.rank), self._name(err.peer)
+        limit = self.pairs.timeout if self.pairs is not None else err.waited
+        doing = self._describe(ops).split(": ", 1)[1]
+        if err.exited:
+            when = "during" if err.stage == "data" else "before issuing"
+            what = f"{peer} exited {when} the matching point-to-point call"
+        elif err.stage == "header":
+            what = (
+                f"{peer} did not issue the matching point-to-point call within "
+                f"{limit:g} s (it exited, is stuck, or took another code path)"
+            )
+        else:
+            what = f"{peer} stopped moving the data of the matching call for {limit:g} s"
+        return f"{me}: {what}; this rank is in {doing} (shared-memory channel)"
+
     def _torch_op(self, op: P2POp) -> dist.P2POp:
         fn = dist.isend if op.kind == "send" else dist.irecv
         return dist.P2POp(fn, op.tensor, self._to_global(op.peer), group=self.group)
 
-    def _check_headers(self, ops: Sequence[P2POp]) -> None:
-        """Swap a header with every peer of ``ops``; raise on both sides of a mismatch."""
-        peers = sorted({op.peer for op in ops})
+    def _check_headers(self, ops: Sequence[P2POp], peers: Sequence[int]) -> None:
+        """Swap a header over the backend with each of ``peers``; raise on both sides of a
+        mismatch."""
         received = {peer: torch.zeros(HEADER_BYTES, dtype=torch.uint8) for peer in peers}
         torch_ops = []
         for peer in peers:
@@ -266,3 +338,13 @@ class PeerToPeer:
             )
             if problem is not None:
                 raise CollectiveError(problem)
+
+
+def _data_works(ops: Sequence[P2POp]) -> list[PairWork]:
+    """``ops``' tensors as bytes, per peer, each direction in issue order."""
+    works: dict[int, PairWork] = {}
+    for op in ops:
+        work = works.setdefault(op.peer, PairWork(op.peer))
+        data = op.tensor.reshape(-1).view(torch.uint8)
+        (work.sends if op.kind == "send" else work.recvs).append(data)
+    return list(works.values())

@@ -103,7 +103,7 @@ class ShmArena:
         notes = 2 * _NOTE * world_size
         header = _LINE * world_size + notes
         size = header + world_size * slot_bytes
-        self._shm = _untracked_segment(name, create, size)
+        self._shm = untracked_segment(name, create, size)
         if create:
             try:
                 # Reserve the pages now: tmpfs only truncates, and a /dev/shm too small for
@@ -232,7 +232,7 @@ class ShmArena:
 _TRACKER_LOCK = threading.Lock()
 
 
-def _untracked_segment(name: str, create: bool, size: int) -> shared_memory.SharedMemory:
+def untracked_segment(name: str, create: bool, size: int) -> shared_memory.SharedMemory:
     """Create or open a segment without Python's resource tracker (3.13's ``track=False``).
 
     The tracker would unlink the segment when any one rank exits, and ranks started by

@@ -1,11 +1,15 @@
-"""Agreeing on a shared-memory arena for a process group (collective: every rank calls it).
+"""Agreeing on shared memory for a process group (collective: every rank calls it).
 
-Used by ``Communicator``'s constructor; the arena itself is ``shm.py``.
+Used by ``Communicator``'s constructor: the arena for collectives (``shm.py``) when every
+rank is on this machine, and the point-to-point channels (``shm_p2p.py``) for the peers that
+are. Both are agreed on in the one gather the arena already needed; channels are created
+only when a pair first exchanges a message.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import uuid
 from collections.abc import Callable
 
@@ -13,9 +17,14 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.comm import shm
+from zerotrain.comm.shm_p2p import PairSettings, ShmPairs
+from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 
 log = get_logger(__name__)
+
+
+_Info = tuple[str, bool, int, str | None, int, str, PairSettings | None]
 
 
 def open_group_arena(
@@ -24,24 +33,42 @@ def open_group_arena(
     world_size: int,
     timeout: datetime.timedelta | None,
     to_global: Callable[[int], int],
-) -> shm.ShmCollectives | None:
+) -> tuple[shm.ShmCollectives | None, ShmPairs | None]:
     """Set up the arena if every rank is on this machine; every rank agrees or none uses
-    it (a rank that fails to map the segment makes all of them fall back to gloo)."""
-    # Each rank reads its own environment; the decision and the slot size must be the
-    # same everywhere (different slot sizes would silently misplace data).
+    it (a rank that fails to map the segment makes all of them fall back to gloo). Also
+    returns the point-to-point channels when some peer shares this machine."""
+    # Each rank reads its own environment; the decision and the sizes must be the same
+    # everywhere (different slot sizes would silently misplace data).
+    problems: list[str] = []
     try:
-        slot_bytes, problem = shm.slot_bytes_from_env(), None
+        slot_bytes = shm.slot_bytes_from_env()
     except ValueError as err:
-        slot_bytes, problem = 0, str(err)
-    mine = (shm.host_identity(), shm.supported(), slot_bytes, problem)
-    infos: list[tuple[str, bool, int, str | None] | None] = [None] * world_size
+        slot_bytes = 0
+        problems.append(str(err))
+    try:
+        pair_settings: PairSettings | None = PairSettings.from_env()
+    except ValueError as err:
+        pair_settings = None
+        problems.append(str(err))
+    mine: _Info = (
+        shm.host_identity(),
+        shm.supported(),
+        slot_bytes,
+        "; ".join(problems) or None,
+        os.getpid(),
+        uuid.uuid4().hex[:16],
+        pair_settings,
+    )
+    infos: list[_Info | None] = [None] * world_size
     dist.all_gather_object(infos, mine, group=group)
     seen = [info for info in infos if info is not None]
-    problems = [f"rank {r}: {info[3]}" for r, info in enumerate(seen) if info[3]]
-    if problems:
-        raise ValueError("; ".join(problems))
+    invariant(len(seen) == world_size, "shared-memory set-up: a rank sent nothing")
+    errors = [f"rank {r}: {info[3]}" for r, info in enumerate(seen) if info[3]]
+    if errors:
+        raise ValueError("; ".join(errors))
+    pairs = _pairs(seen, rank, timeout)
     if len({info[0] for info in seen}) != 1 or not all(info[1] for info in seen):
-        return None
+        return None, pairs
     slot_bytes = seen[0][2]
     if len({info[2] for info in seen}) != 1:
         log.warning(
@@ -76,5 +103,26 @@ def open_group_arena(
     if flag.item() < 1.0:
         if arena is not None:
             arena.close()
+        return None, pairs
+    return shm.ShmCollectives(arena), pairs  # type: ignore[arg-type]
+
+
+def _pairs(seen: list[_Info], rank: int, timeout: datetime.timedelta | None) -> ShmPairs | None:
+    """Point-to-point channels with the ranks on this machine (rank 0's token and settings;
+    none at all where this rank or every peer cannot use shared memory)."""
+    host, supported = seen[rank][0], seen[rank][1]
+    local = [r != rank and supported and info[1] and info[0] == host for r, info in enumerate(seen)]
+    settings = seen[0][6]
+    if not any(local) or settings is None:
         return None
-    return shm.ShmCollectives(arena)  # type: ignore[arg-type]
+    if len({info[6] for info in seen}) != 1:
+        log.warning("the shared-memory p2p settings differ between ranks; using rank 0's")
+    return ShmPairs(
+        rank=rank,
+        world_size=len(seen),
+        token=seen[0][5],
+        pids=[info[4] for info in seen],
+        local=local,
+        settings=settings,
+        timeout=(timeout or datetime.timedelta(seconds=600)).total_seconds(),
+    )

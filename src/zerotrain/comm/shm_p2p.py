@@ -1,0 +1,404 @@
+"""Point-to-point through shared memory, for pairs of CPU ranks on one machine.
+
+The arena of ``shm.py`` synchronises every rank of a group; a send/recv involves two. Each
+pair of ranks that exchanges a message therefore gets its own segment, created on first use
+(a communicator of N ranks never allocates N*(N-1) buffers up front): the lower rank of the
+pair creates it, the higher one opens it and removes the name. Per side it holds one cache
+line of control (process id, headers posted, chunks posted, chunks consumed) and two header
+cells; per direction ``slots`` data slots of ``slot_bytes``.
+
+**Headers.** Every batch a rank issues involving a peer first posts a header in its cell
+(what it sends that peer and what it expects back, as the gloo path's header says) and
+compares the peer's; the two cells alternate, and a rank cannot post its next header before
+reading the peer's current one, so a cell is never overwritten unread. Both sides of a
+mismatched pair raise before any payload moves.
+
+**Data.** A message is cut into chunks of at most one slot; the sender copies chunk i into
+slot ``i % slots`` once the receiver consumed chunk ``i - slots``, then raises its
+``posted`` counter; the receiver copies it out and raises ``consumed``. Every op of a batch
+advances whenever its peer allows it (one loop over all of them), so a ring shifting both
+ways at once with messages larger than the slots cannot deadlock. Messages between a pair
+keep their order (one stream per direction).
+
+Waits are bounded: a peer whose process is gone is reported at once (its pid, checked every
+0.1 s), one that does not move for the communicator's timeout is reported by name.
+x86-64 only (the flag protocol relies on its memory ordering), as the arena.
+"""
+
+from __future__ import annotations
+
+import _posixshmem  # type: ignore[import-not-found]
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from zerotrain.comm.shm import untracked_segment
+from zerotrain.utils.invariant import invariant
+
+_LINE = 64  # control bytes per side: one cache line
+_CELL = 512  # bytes per header cell (p2p.HEADER_BYTES)
+_DATA_START = 4096  # control lines and cells fit in the first page
+_PID, _HEADERS, _POSTED, _CONSUMED = 0, 1, 2, 3  # int64 fields of a side's control line
+_PEER_CHECK_S = 0.1
+
+#: Messages of at least this many bytes go through the channel (below: the backend). Chosen
+#: from benchmarks/RESULTS.md (2026-11-25, the pairwise channel).
+MIN_BYTES = 0
+SLOT_BYTES = 1 << 20
+SLOTS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PairSettings:
+    """How channels are sized and when they are used; every rank must use the same.
+
+    Args:
+        min_bytes: smallest message that goes through shared memory.
+        slot_bytes: bytes per data slot (a message larger than a slot is streamed).
+        slots: slots per direction (the sender may run this many chunks ahead).
+    """
+
+    min_bytes: int = MIN_BYTES
+    slot_bytes: int = SLOT_BYTES
+    slots: int = SLOTS
+
+    @staticmethod
+    def from_env() -> PairSettings:
+        """``ZEROTRAIN_SHM_P2P_MIN_BYTES`` and ``ZEROTRAIN_SHM_P2P_SLOT_BYTES``, else defaults.
+
+        Raises:
+            ValueError: a value that is not an integer, or out of range.
+        """
+        min_bytes = int(os.environ.get("ZEROTRAIN_SHM_P2P_MIN_BYTES", MIN_BYTES))
+        slot_bytes = int(os.environ.get("ZEROTRAIN_SHM_P2P_SLOT_BYTES", SLOT_BYTES))
+        if min_bytes < 0:
+            raise ValueError(f"ZEROTRAIN_SHM_P2P_MIN_BYTES must be >= 0, got {min_bytes}")
+        if slot_bytes < _LINE or slot_bytes % _LINE:
+            raise ValueError(
+                f"ZEROTRAIN_SHM_P2P_SLOT_BYTES must be a positive multiple of {_LINE}, "
+                f"got {slot_bytes}"
+            )
+        return PairSettings(min_bytes, slot_bytes, SLOTS)
+
+    def segment_bytes(self) -> int:
+        """Size of one pair's segment."""
+        return _DATA_START + 2 * self.slots * self.slot_bytes
+
+
+class PeerStalledError(RuntimeError):
+    """A peer did not take its part in a point-to-point exchange.
+
+    Args:
+        peer: its rank in the group.
+        stage: ``"header"`` (it never issued the matching call) or ``"data"``.
+        exited: its process is gone.
+        waited: seconds this rank waited.
+    """
+
+    def __init__(self, peer: int, stage: str, exited: bool, waited: float) -> None:
+        super().__init__(f"rank {peer} {'exited' if exited else 'is late'} ({stage})")
+        self.peer = peer
+        self.stage = stage
+        self.exited = exited
+        self.waited = waited
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink("/" + name)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class PairChannel:
+    """One pair's segment, seen from one side (0: the lower rank, which created it)."""
+
+    def __init__(self, segment: shared_memory.SharedMemory, side: int, settings: PairSettings):
+        self._shm = segment
+        self.side = side
+        self.settings = settings
+        self._buf: memoryview = segment.buf  # type: ignore[assignment]
+        self._control = np.ndarray((2, _LINE // 8), dtype=np.int64, buffer=self._buf)
+        self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8)
+        self._fence = threading.Lock()
+        self.headers = 0  # headers this side posted
+        self.posted = 0  # chunks this side wrote
+        self.consumed = 0  # chunks this side read
+        self._control[side, _PID] = os.getpid()
+
+    def close(self) -> None:
+        """Detach from the segment."""
+        del self._control, self._bytes, self._buf
+        self._shm.close()
+
+    def _publish(self, index: int, value: int) -> None:
+        # A locked instruction is a full fence on x86: the data (including streaming stores
+        # of large copies) is visible before the counter.
+        with self._fence:
+            pass
+        self._control[self.side, index] = value
+
+    def _peer(self, index: int) -> int:
+        return int(self._control[1 - self.side, index])
+
+    def _cell(self, side: int, k: int) -> torch.Tensor:
+        start = 2 * _LINE + (2 * side + k % 2) * _CELL
+        return self._bytes[start : start + _CELL]
+
+    def _slot(self, side: int, k: int) -> torch.Tensor:
+        s = self.settings
+        start = _DATA_START + (side * s.slots + k % s.slots) * s.slot_bytes
+        return self._bytes[start : start + s.slot_bytes]
+
+    def post_header(self, header: torch.Tensor) -> None:
+        """Publish this side's next header (uint8, at most one cell)."""
+        invariant(header.numel() <= _CELL, "p2p header larger than its cell")
+        cell = self._cell(self.side, self.headers)
+        cell.zero_()
+        cell[: header.numel()].copy_(header)
+        self.headers += 1
+        self._publish(_HEADERS, self.headers)
+
+    def peer_header(self) -> torch.Tensor | None:
+        """The peer's header matching this side's last posted one, once it is there."""
+        if self._peer(_HEADERS) < self.headers:
+            return None
+        return self._cell(1 - self.side, self.headers - 1).clone()
+
+    def send_chunks(self, src: torch.Tensor, done: int) -> int:
+        """Copy chunks of ``src`` (uint8) from byte ``done`` into free slots; returns the new
+        ``done`` (unchanged when no slot was free)."""
+        size = self.settings.slot_bytes
+        while done < src.numel() and self.posted - self._peer(_CONSUMED) < self.settings.slots:
+            n = min(size, src.numel() - done)
+            self._slot(self.side, self.posted)[:n].copy_(src[done : done + n])
+            done += n
+            self.posted += 1
+            self._publish(_POSTED, self.posted)
+        return done
+
+    def recv_chunks(self, dst: torch.Tensor, done: int) -> int:
+        """Copy posted chunks into ``dst`` (uint8) from byte ``done``; returns the new
+        ``done``."""
+        size = self.settings.slot_bytes
+        while done < dst.numel() and self._peer(_POSTED) > self.consumed:
+            n = min(size, dst.numel() - done)
+            dst[done : done + n].copy_(self._slot(1 - self.side, self.consumed)[:n])
+            done += n
+            self.consumed += 1
+            self._publish(_CONSUMED, self.consumed)
+        return done
+
+
+@dataclass
+class PairWork:
+    """What one batch does with one peer through its channel.
+
+    Args:
+        peer: the peer's rank in the group.
+        header: this rank's encoded header for the peer (None: data only).
+        check: compares the peer's header with what this rank expects; raises on a mismatch.
+        sends / recvs: uint8 views of the tensors, each list in issue order.
+    """
+
+    peer: int
+    header: torch.Tensor | None = None
+    check: Callable[[torch.Tensor], None] | None = None
+    sends: list[torch.Tensor] = field(default_factory=list)
+    recvs: list[torch.Tensor] = field(default_factory=list)
+
+
+class _Progress:
+    """One :class:`PairWork` under way: header, then its two streams."""
+
+    def __init__(self, work: PairWork, now: float) -> None:
+        self.work = work
+        self.channel: PairChannel | None = None
+        self.header_checked = work.header is None
+        self.posted = False
+        self.send_at = [0] * len(work.sends)
+        self.recv_at = [0] * len(work.recvs)
+        self.last_moved = now
+
+    @property
+    def stage(self) -> str:
+        return "data" if self.header_checked else "header"
+
+    def finished(self) -> bool:
+        done = all(at == t.numel() for at, t in zip(self.send_at, self.work.sends, strict=True))
+        return done and all(
+            at == t.numel() for at, t in zip(self.recv_at, self.work.recvs, strict=True)
+        )
+
+    def advance(self, channel: PairChannel) -> bool:
+        """Do what the peer allows now; True if anything moved."""
+        work, moved = self.work, False
+        if not self.posted and work.header is not None:
+            channel.post_header(work.header)
+            self.posted = moved = True
+        if not self.header_checked:
+            received = channel.peer_header()
+            if received is None:
+                return moved
+            if work.check is not None:
+                work.check(received)
+            self.header_checked = moved = True
+        # One stream per direction, in issue order: only its first unfinished op moves.
+        for sends, at, fn in (
+            (work.sends, self.send_at, channel.send_chunks),
+            (work.recvs, self.recv_at, channel.recv_chunks),
+        ):
+            for i, tensor in enumerate(sends):
+                if at[i] < tensor.numel():
+                    new = fn(tensor, at[i])
+                    moved |= new != at[i]
+                    at[i] = new
+                    break
+        return moved
+
+
+class ShmPairs:
+    """The shared-memory channels of one communicator's rank, opened on first use.
+
+    Args:
+        rank / world_size: this rank's place in the group.
+        token: a name prefix every rank of the group agreed on (unique per communicator).
+        pids: every group rank's process id.
+        local: for every group rank, whether it shares this machine (and shared memory).
+        settings: channel sizes and the threshold (the same on every rank).
+        timeout: seconds a peer may stay still before it is reported.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        token: str,
+        pids: Sequence[int],
+        local: Sequence[bool],
+        settings: PairSettings,
+        timeout: float,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.token = token
+        self.pids = list(pids)
+        self.local = list(local)
+        self.settings = settings
+        self.timeout = timeout
+        self._channels: dict[int, PairChannel] = {}
+
+    def is_local(self, peer: int) -> bool:
+        """Whether ``peer`` can be reached through shared memory."""
+        return self.local[peer]
+
+    def carries(self, peer: int, tensor: torch.Tensor) -> bool:
+        """Whether a message of ``tensor`` to or from ``peer`` goes through shared memory."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return (
+            self.local[peer] and tensor.device.type == "cpu" and nbytes >= self.settings.min_bytes
+        )
+
+    @property
+    def open_channels(self) -> int:
+        """How many pair segments this rank has mapped."""
+        return len(self._channels)
+
+    def _name(self, peer: int) -> str:
+        lo, hi = sorted((self.rank, peer))
+        return f"zt{self.token}-{lo}-{hi}"
+
+    def _channel(self, peer: int) -> PairChannel | None:
+        """The channel with ``peer``: created at once by the lower rank; opened by the higher
+        one when it exists (None until then)."""
+        channel = self._channels.get(peer)
+        if channel is not None:
+            return channel
+        name, size = self._name(peer), self.settings.segment_bytes()
+        if self.rank < peer:
+            segment = untracked_segment(name, True, size)
+            try:
+                # Reserve the pages now (tmpfs only truncates): a full /dev/shm fails here,
+                # not with SIGBUS on first touch.
+                os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
+            except OSError:
+                segment.close()
+                _unlink(name)
+                raise
+            channel = PairChannel(segment, 0, self.settings)
+            # The name goes when the peer opened it; this covers a peer that never does.
+            weakref.finalize(channel, _unlink, name)
+        else:
+            try:
+                segment = untracked_segment(name, False, 0)
+            except (FileNotFoundError, ValueError):  # not created, or not yet sized
+                return None
+            invariant(segment.size >= size, "p2p shared-memory segment smaller than expected")
+            channel = PairChannel(segment, 1, self.settings)
+            _unlink(name)
+        self._channels[peer] = channel
+        return channel
+
+    def run(self, works: Sequence[PairWork]) -> None:
+        """Swap headers and move data with every peer of ``works`` until all is done.
+
+        Raises:
+            PeerStalledError: a peer exited, or did not move for ``timeout`` seconds.
+            Whatever a ``check`` raises (a mismatched header), before that pair's data moves.
+        """
+        now = time.monotonic()
+        pending = [_Progress(w, now) for w in works]
+        next_check, spins = now + _PEER_CHECK_S, 0
+        while True:
+            moved = False
+            for p in pending:
+                channel = p.channel or self._channel(p.work.peer)
+                if channel is None:
+                    continue
+                if p.channel is None:
+                    p.channel, moved = channel, True
+                if p.advance(channel):
+                    p.last_moved, moved = time.monotonic(), True
+            pending = [p for p in pending if not (p.header_checked and p.finished())]
+            if not pending:
+                return
+            if moved:
+                spins = 0
+                continue
+            spins += 1
+            if spins > 64:
+                time.sleep(0)  # yield the core to whatever else runs here
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _PEER_CHECK_S
+                self._check_peers(pending, now)
+
+    def _check_peers(self, pending: Sequence[_Progress], now: float) -> None:
+        for p in pending:
+            peer = p.work.peer
+            if not process_alive(self.pids[peer]):
+                raise PeerStalledError(peer, p.stage, True, now - p.last_moved)
+            if now - p.last_moved >= self.timeout:
+                raise PeerStalledError(peer, p.stage, False, now - p.last_moved)
