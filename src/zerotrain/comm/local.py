@@ -57,6 +57,16 @@ class LocalCommunicator(Communicator):
 
         return self._run(op, purpose, payload, call, False, on_done, label, detail)
 
+    @property
+    def shared_memory_peers(self) -> tuple[int, ...]:
+        """No peer: nothing goes through shared memory."""
+        return ()
+
+    @property
+    def open_p2p_channels(self) -> int:
+        """No peer, no channel."""
+        return 0
+
     def reduces_natively(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Nothing is reduced across ranks: every dtype works."""
         return True
