@@ -30,10 +30,9 @@ from zerotrain.checkpoint import (
     CheckpointNotFoundError,
     CheckpointReader,
     CorruptCheckpointError,
-    IncompatibleCheckpointError,
     load_state_dict_from_checkpoint,
+    regions,
 )
-from zerotrain.checkpoint import regions
 from zerotrain.checkpoint.directory import read_latest
 from zerotrain.checkpoint.safetensors_io import StreamingWriter
 from zerotrain.testing.dist import DistributedTestError, run_distributed
@@ -133,7 +132,8 @@ def test_resume_fp16_continues_bitwise_with_its_loss_scale(tmp_path: Path) -> No
     resumed = run_distributed(_load_train, 2, spec, "fp16", str(tmp_path))
     assert resumed[0]["losses"] == uninterrupted[0]
     manifest = json.loads((tmp_path / "global_step10" / "manifest.json").read_text())
-    assert manifest["loss_scaler"]["scale"] > 0 and manifest["compute_dtype"] == "fp16"
+    assert manifest["loss_scaler"]["scale"] > 0
+    assert manifest["compute_dtype"] == "fp16"
 
 
 def _matches_checkpoint(engine, model, path: str) -> int:
@@ -221,12 +221,13 @@ def _resume_latest(spec: RunSpec, path: str) -> dict[str, Any]:
 
 def test_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     spec = RunSpec(stage=3, micro_batch=2, grad_accum=1)
-    with pytest.raises(DistributedTestError, match="(?i)signal|killed|exit"):
+    with pytest.raises(DistributedTestError, match=r"(?i)signal|killed|exit"):
         run_distributed(_save_then_die, 2, spec, str(tmp_path))
     assert read_latest(tmp_path).tag == "good"
     assert not (tmp_path / "doomed").exists()
     partial = tmp_path / ".doomed.partial"
-    assert partial.is_dir() and not (partial / "manifest.json").exists()
+    assert partial.is_dir()
+    assert not (partial / "manifest.json").exists()
     with pytest.raises(CheckpointNotFoundError, match="doomed does not exist"):
         CheckpointReader.open(tmp_path, "doomed")
     with pytest.raises(CheckpointNotFoundError, match="interrupted"):
@@ -234,7 +235,8 @@ def test_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path: P
     good = load_state_dict_from_checkpoint(tmp_path)
     assert good.keys() == load_state_dict_from_checkpoint(tmp_path, "good").keys()
     resumed = run_distributed(_resume_latest, 2, spec, str(tmp_path))
-    assert resumed[0]["loaded"] == str(tmp_path / "good") and resumed[0]["steps"] == 3
+    assert resumed[0]["loaded"] == str(tmp_path / "good")
+    assert resumed[0]["steps"] == 3
     assert resumed[0]["losses"][0] == pytest.approx(resumed[0]["losses"][0])  # finite
     assert not partial.exists()  # the next save cleared the leftover
     assert read_latest(tmp_path).tag == "after"
@@ -276,10 +278,13 @@ def test_bad_checkpoints_are_reported_with_the_file(tmp_path: Path) -> None:
     # Extra parameters: strict refuses, strict=False loads the rest and reports them.
     biased = dataclasses.replace(TINY, bias=True)
     got = run_distributed(_load_expecting_error, 2, spec, str(tmp_path), biased, True)
-    assert got[0]["error"] == "IncompatibleCheckpointError" and "strict=False" in got[0]["message"]
+    assert got[0]["error"] == "IncompatibleCheckpointError"
+    assert "strict=False" in got[0]["message"]
     got = run_distributed(_load_expecting_error, 2, spec, str(tmp_path), biased, False)
-    assert got[0]["error"] is None and got[0]["unexpected"] == []
-    assert got[0]["missing"] and all(n.endswith(".bias") for n in got[0]["missing"])
+    assert got[0]["error"] is None
+    assert got[0]["unexpected"] == []
+    assert got[0]["missing"]
+    assert all(n.endswith(".bias") for n in got[0]["missing"])
     # Untying a tied head: both start from the saved tensor.
     untied = dataclasses.replace(TINY, tie_weights=False)
     got = run_distributed(_load_expecting_error, 2, spec, str(tmp_path), untied, True)
@@ -291,17 +296,19 @@ def test_bad_checkpoints_are_reported_with_the_file(tmp_path: Path) -> None:
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     got = run_distributed(_load_expecting_error, 2, spec, str(tmp_path), TINY, True)
-    assert got[1]["error"] == "CorruptCheckpointError" and str(shard) in got[1]["message"]
-    assert got[0]["error"] == "CheckpointError" and "[1]" in got[0]["message"]
-    with pytest.raises(CorruptCheckpointError, match="rank00001.safetensors is corrupt"):
+    assert got[1]["error"] == "CorruptCheckpointError"
+    assert str(shard) in got[1]["message"]
+    assert got[0]["error"] == "CheckpointError"
+    assert "[1]" in got[0]["message"]
+    with pytest.raises(CorruptCheckpointError, match=r"rank00001\.safetensors is corrupt"):
         load_state_dict_from_checkpoint(tmp_path)
 
     # Truncated, missing, no manifest, no such tag.
     shard.write_bytes(bytes(data[:100]))
-    with pytest.raises(CorruptCheckpointError, match="rank00001.safetensors is 100 bytes"):
+    with pytest.raises(CorruptCheckpointError, match=r"rank00001\.safetensors is 100 bytes"):
         load_state_dict_from_checkpoint(tmp_path)
     shard.unlink()
-    with pytest.raises(CheckpointNotFoundError, match="rank00001.safetensors is missing"):
+    with pytest.raises(CheckpointNotFoundError, match=r"rank00001\.safetensors is missing"):
         load_state_dict_from_checkpoint(tmp_path)
     (tmp_path / "b" / "manifest.json").unlink()
     with pytest.raises(CheckpointNotFoundError, match="not a complete zerotrain checkpoint"):
@@ -336,7 +343,8 @@ def test_consolidate_equals_the_models_state_dict(tmp_path: Path, precision: str
     loaded = safetensors.torch.load_file(out)
     assert loaded.keys() == got["full"].keys()  # tied lm_head.weight included
     for key, value in got["full"].items():
-        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+        assert loaded[key].dtype == value.dtype, key
+        assert torch.equal(loaded[key], value), key
     model = zerotrain.examples.gpt.GPT(spec.model)
     model.load_state_dict(loaded)
     assert main(["consolidate", str(tmp_path / "ckpt"), str(out), "--dtype", "bf16"]) == 0

@@ -22,7 +22,7 @@ from zerotrain.testing.dist import run_distributed
 CLIENT = {"note": "client", "step": 2, "tensor": torch.arange(6, dtype=torch.float32)}
 
 
-class _Crash(Exception):
+class _CrashError(Exception):
     """Stands for the process dying at this point."""
 
 
@@ -33,14 +33,14 @@ def _inject(point: str) -> None:
 
     def crashing_replace(src: Any, dst: Any) -> None:
         if point == "between_renames" and str(src).endswith(".partial"):
-            raise _Crash(point)  # final -> .old happened, .partial -> final did not
+            raise _CrashError(point)  # final -> .old happened, .partial -> final did not
         if point == "before_latest" and Path(dst).name == "latest":
-            raise _Crash(point)
+            raise _CrashError(point)
         replace(src, dst)
 
     def crashing_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
         if point == "before_removing_old" and str(path).endswith(".old"):
-            raise _Crash(point)
+            raise _CrashError(point)
         rmtree(path, *args, **kwargs)
 
     save_module.os.replace = crashing_replace  # type: ignore[assignment]
@@ -59,7 +59,7 @@ def _crash_while_saving_again(root: str, point: str) -> dict[str, Any]:
     _inject(point)
     try:
         engine.save_checkpoint(root, tag="t")
-    except _Crash:
+    except _CrashError:
         pass
     finally:
         save_module.os.replace, save_module.shutil.rmtree = replace, rmtree  # type: ignore[assignment]
@@ -88,7 +88,9 @@ def _crash_while_saving_again(root: str, point: str) -> dict[str, Any]:
 def test_a_crash_while_saving_a_tag_again_keeps_a_complete_copy(tmp_path: Path, point: str) -> None:
     got = run_distributed(_crash_while_saving_again, 1, str(tmp_path), point)[0]
     assert ".t.old" in got["files"]  # the crash left the previous copy aside
-    assert got["read_back"] and got["loaded"] and got["t_again"]
+    assert got["read_back"]
+    assert got["loaded"]
+    assert got["t_again"]
     assert got["after"] == ["latest", "t", "u"]  # restored or finished, nothing lost
 
 
@@ -135,7 +137,7 @@ def test_every_flipped_byte_of_every_file_is_refused_naming_the_file(tmp_path: P
     saved = tmp_path / "saved"
     run_distributed(_save_with_client_state, 2, str(saved))
     tag = read_latest(saved).tag
-    files = sorted((saved / tag).iterdir()) + [saved / "latest"]
+    files = [*sorted((saved / tag).iterdir()), saved / "latest"]
     names = {f.name for f in files}
     assert {"manifest.json", "client_state.pt", "rank00000.safetensors", "latest"} <= names
     checked = 0
@@ -179,5 +181,6 @@ def test_ranks_given_different_save_dirs_all_fail_naming_them(tmp_path: Path) ->
     messages = run_distributed(_save_to_own_directory, 2, str(tmp_path))
     for message in messages:
         assert "'save_dir'" in message, message
-        assert str(tmp_path / "rank0") in message and str(tmp_path / "rank1") in message
+        assert str(tmp_path / "rank0") in message
+        assert str(tmp_path / "rank1") in message
     assert list(tmp_path.iterdir()) == []  # nothing was written

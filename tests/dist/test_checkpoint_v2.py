@@ -36,7 +36,7 @@ def _matches(engine: zerotrain.Engine, path: str) -> int:
     for slot in regions.optimizer_slots(state):
         unit_names = regions.unit_names(slot.unit, names)
         shapes = dict(
-            zip(unit_names, (p.shape for p in slot.unit.buffer.layout.params), strict=False)
+            zip(unit_names, (p.shape for p in slot.unit.buffer.layout.params), strict=True)
         )
         held = engine.optimizer.state[slot.tensor]
         assert float(held["step"]) == 3

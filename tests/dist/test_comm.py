@@ -34,8 +34,9 @@ def _collectives(async_op: bool) -> dict[str, object]:
     out["on_done_calls"] = len(done)
 
     gathered = torch.empty(2 * world)
-    comm.all_gather_into(gathered, torch.full((2,), float(rank)), purpose="parameters",
-                         async_op=async_op).wait()
+    comm.all_gather_into(
+        gathered, torch.full((2,), float(rank)), purpose="parameters", async_op=async_op
+    ).wait()
     out["all_gather"] = gathered.tolist()
 
     b = torch.full((3,), float(rank))
@@ -45,7 +46,8 @@ def _collectives(async_op: bool) -> dict[str, object]:
     comm.barrier()
     snap = comm.snapshot()
     out["stats"] = {
-        (op, purpose): (c.calls, c.bytes, c.payload_bytes) for (op, purpose), c in snap.counts.items()
+        (op, purpose): (c.calls, c.bytes, c.payload_bytes)
+        for (op, purpose), c in snap.counts.items()
     }
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_dead_peer_is_named_at_once(tmp_path):
     path = str(tmp_path / "rank0.txt")
     with pytest.raises(DistributedTestError, match="rank 1 exited with code 3"):
         run_distributed(_dead_peer, 2, path, timeout=60, comm_timeout=30, env=SMALL)
-    seconds, message = open(path).read().split("s: ", 1)
+    seconds, message = Path(path).read_text().split("s: ", 1)
     assert float(seconds) < 2.0  # not the 20 s timeout
     assert message.startswith(
         "rank 0: rank 1 exited before issuing the matching point-to-point call; this rank is "

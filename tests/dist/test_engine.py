@@ -46,7 +46,8 @@ def _user_optimizer(stage: int, kind: str) -> dict:
             lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
             config=config,
         )
-        assert sched is not None and sched.optimizer is returned
+        assert sched is not None
+        assert sched.optimizer is returned
     return run_training(engine, spec, model)
 
 
@@ -134,7 +135,7 @@ def test_config_schedule_drives_the_optimizer_lr():
 def _generator_and_extra_group_keys() -> int:
     model = make_model(RunSpec())
     groups = [{"params": list(model.parameters()), "name": "everything"}]
-    engine, opt, _, _ = zerotrain.initialize(
+    _engine, opt, _, _ = zerotrain.initialize(
         model=model,
         model_parameters=(g for g in groups),  # a generator, read once
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),

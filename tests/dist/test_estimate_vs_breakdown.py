@@ -161,8 +161,7 @@ def _offloaded_predicted_vs_measured(swap_root: str) -> list[dict[str, Any]]:
                 "where": f"stage {stage} {dtype}",
                 "predicted": {c: predicted.category(c).total for c in CATEGORIES},
                 "predicted_memory": {
-                    c: predicted.category(c).device + predicted.category(c).cpu
-                    for c in CATEGORIES
+                    c: predicted.category(c).device + predicted.category(c).cpu for c in CATEGORIES
                 },
                 "predicted_nvme": predicted.nvme_total,
                 "measured": {c: measured.as_dict()[c] for c in CATEGORIES},

@@ -28,54 +28,98 @@ INIT_ERROR = "init_error"  # valid and implemented, but initialize() rejects it 
 EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "LambdaLabsML__distributed-training-guide__05-sharding-deepspeed__ds_config.json": (TRAINS, ()),
     "deepspeedai__DeepSpeedExamples__training__tensor_parallel__hf_integration__configs__ds_config.json": (
-        "config_error", ('optimizer.params.lr: is "auto"', "scheduler.params.total_num_steps",
-                         "gradient_clipping")),
+        "config_error",
+        ('optimizer.params.lr: is "auto"', "scheduler.params.total_num_steps", "gradient_clipping"),
+    ),
     "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z0_config.json": (
-        "config_error", ("did you mean 'comms_logger'?", "monitor_config: unknown key",
-                         'gradient_clipping: is "auto"')),
+        "config_error",
+        (
+            "did you mean 'comms_logger'?",
+            "monitor_config: unknown key",
+            'gradient_clipping: is "auto"',
+        ),
+    ),
     "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z3_offload_config.json": (
-        "config_error", ("comms_config: unknown key", "monitor_config: unknown key")),
+        "config_error",
+        ("comms_config: unknown key", "monitor_config: unknown key"),
+    ),
     "huggingface__accelerate__examples__deepspeed_config_templates__zero_stage1_config.json": (
-        "config_error", ('optimizer.params.lr: is "auto"', "scheduler.params.warmup_num_steps")),
+        "config_error",
+        ('optimizer.params.lr: is "auto"', "scheduler.params.warmup_num_steps"),
+    ),
     "huggingface__accelerate__examples__deepspeed_config_templates__zero_stage3_offload_config.json": (
-        "config_error", ('optimizer.params.lr: is "auto"',)),
+        "config_error",
+        ('optimizer.params.lr: is "auto"',),
+    ),
     "huggingface__transformers__tests__deepspeed__ds_config_zero2.json": (
-        "config_error", ('optimizer.params.lr: is "auto"', 'gradient_clipping: is "auto"')),
+        "config_error",
+        ('optimizer.params.lr: is "auto"', 'gradient_clipping: is "auto"'),
+    ),
     # Stage 3 with offload_optimizer and offload_param on the CPU.
     # No batch size (Hugging Face's trainer fills it in): initialize says so.
     "huggingface__transformers__tests__deepspeed__ds_config_zero3.json": (
-        INIT_ERROR, ("no batch size given",)),
+        INIT_ERROR,
+        ("no batch size given",),
+    ),
     "lm-sys__FastChat__playground__deepspeed_config_s3.json": (
-        INIT_ERROR, ("no batch size given",)),
+        INIT_ERROR,
+        ("no batch size given",),
+    ),
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__curriculum_learning__ds_zero_stage_2_config_curriculum_fixed_linear.json": (
-        "config_error", ("line 34", "'CONFIG_CL_MIN'", "placeholder")),
+        "config_error",
+        ("line 34", "'CONFIG_CL_MIN'", "placeholder"),
+    ),
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json": (
-        "config_error", ("zero_optimization.stage3_param_persitance_threshold",
-                         "did you mean 'stage3_param_persistence_threshold'?")),
+        "config_error",
+        (
+            "zero_optimization.stage3_param_persitance_threshold",
+            "did you mean 'stage3_param_persistence_threshold'?",
+        ),
+    ),
     "microsoft__DeepSpeedExamples__QANet-Pytorch__ds_bsz512_1cycle.json": (
-        "not_implemented", ("scheduler.type=OneCycle",)),
+        "not_implemented",
+        ("scheduler.type=OneCycle",),
+    ),
     "microsoft__DeepSpeedExamples__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json": (
-        "not_implemented", ("optimizer.type=OneBitAdam",)),
+        "not_implemented",
+        ("optimizer.type=OneBitAdam",),
+    ),
     "microsoft__DeepSpeedExamples__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json": (
-        TRAINS, ()),
+        TRAINS,
+        (),
+    ),
     "microsoft__DeepSpeedExamples__bing_bert__deepspeed_bsz64k_lamb_config_seq128.json": (
-        "not_implemented", ("sparse_attention",)),
+        "not_implemented",
+        ("sparse_attention",),
+    ),
     "microsoft__DeepSpeedExamples__cifar__ds_config.json": (
-        "not_implemented", ("fp16.fp16_master_weights_and_grads",)),
+        "not_implemented",
+        ("fp16.fp16_master_weights_and_grads",),
+    ),
     "microsoft__DeepSpeedExamples__cifar__ds_config_onebitlamb.json": (
-        "not_implemented", ("optimizer.type=OneBitLamb",)),
+        "not_implemented",
+        ("optimizer.type=OneBitLamb",),
+    ),
     "microsoft__DeepSpeedExamples__pipeline_parallelism__ds_config.json": (TRAINS, ()),
     "microsoft__DeepSpeedExamples__training__data_efficiency__gpt_finetuning__config__ds_config_gpt_medium_random_ltd.json": (
-        "not_implemented", ("data_efficiency",)),
+        "not_implemented",
+        ("data_efficiency",),
+    ),
     "microsoft__DeepSpeedExamples__training__imagenet__config__ds_fp16_z1_config.json": (
-        "config_error", ("cuda_visible_devices: unknown key",)),
+        "config_error",
+        ("cuda_visible_devices: unknown key",),
+    ),
     "microsoft__DeepSpeed__DeepSpeedExamples__gan__gan_deepspeed_config.json": (TRAINS, ()),
     "microsoft__Megatron-DeepSpeed__ds_zero2_config_bf16.json": (TRAINS, ()),
     "microsoft__Megatron-DeepSpeed__examples__MoE__ds_config_gpt3-0.125B-tokendropping-graduallyIncrease-lr-3.0e-4.json": (
-        TRAINS, ()),
+        TRAINS,
+        (),
+    ),
     "microsoft__Megatron-DeepSpeed__examples__ds_config.json": (TRAINS, ()),
     "microsoft__Megatron-DeepSpeed__examples_deepspeed__sequence_parallel__ds_config_gbs16_mbs1_log1_zero3.json": (
-        TRAINS, ()),
+        TRAINS,
+        (),
+    ),
 }
 
 

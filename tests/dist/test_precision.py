@@ -494,7 +494,13 @@ def _sgd_run(precision: dict, stage: int) -> dict:
         ({"bf16": {"enabled": True}}, 1),
         ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, 0),
         ({"fp16": {"enabled": True, "initial_scale_power": 10}}, 2),
-        ({"fp16": {"enabled": True, "loss_scale": 128}, "data_types": {"grad_accum_dtype": "fp16"}}, 1),
+        (
+            {
+                "fp16": {"enabled": True, "loss_scale": 128},
+                "data_types": {"grad_accum_dtype": "fp16"},
+            },
+            1,
+        ),
         ({"fp16": {"enabled": True, "initial_scale_power": 10}}, 3),
     ],
 )

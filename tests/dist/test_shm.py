@@ -54,7 +54,13 @@ def test_shared_memory_matches_gloo(world_size, dtype):
         for key in shared[rank]:
             a, b = torch.tensor(shared[rank][key]), torch.tensor(plain[rank][key])
             bad = (a != b).nonzero().view(-1)
-            assert len(bad) == 0, (rank, key, bad[:8].tolist(), a[bad[:4]].tolist(), b[bad[:4]].tolist())
+            assert len(bad) == 0, (
+                rank,
+                key,
+                bad[:8].tolist(),
+                a[bad[:4]].tolist(),
+                b[bad[:4]].tolist(),
+            )
 
 
 def _peer_exits() -> None:

@@ -121,7 +121,8 @@ def test_communication_per_step_is_three_times_the_parameters(threshold):
         size, persistent = out["padded"], out["persistent"]
         assert out["labels"] == ["blocks.1", "blocks.0", "<root>"]
         assert (persistent > 0) == (threshold > 0)
-        for params, grads, control in zip(out["params"], out["grads"], out["control"]):
+        triples = zip(out["params"], out["grads"], out["control"], strict=True)
+        for params, grads, control in triples:
             # All-gathers in forward and backward, one reduce-scatter: 3 x params; a
             # persistent unit is gathered once per step (its update) instead of twice.
             assert grads == size
@@ -209,8 +210,8 @@ def _train_awkward(stage: int) -> dict:
 def test_reused_module_tied_and_loose_parameters_and_eval_match_stage0():
     stage0 = run_distributed(_train_awkward, 2, 0)
     stage3 = run_distributed(_train_awkward, 2, 3)
-    for a, b in zip(stage0, stage3):
-        assert max(abs(x - y) for x, y in zip(a["evals"], b["evals"])) < 1e-5
+    for a, b in zip(stage0, stage3, strict=True):
+        assert max(abs(x - y) for x, y in zip(a["evals"], b["evals"], strict=True)) < 1e-5
         for name, value in a["params"].items():
             torch.testing.assert_close(b["params"][name], value, rtol=0, atol=1e-5, msg=name)
 
@@ -252,8 +253,8 @@ def test_activation_checkpointing_under_stage3_matches_stage0():
     # gathered for the backward that follows instead of being freed by them.
     stage0 = run_distributed(_train_checkpointed, 2, 0)
     stage3 = run_distributed(_train_checkpointed, 2, 3)
-    for a, b in zip(stage0, stage3):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    for a, b in zip(stage0, stage3, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
 
 
 # -- GatheredParameters -----------------------------------------------------------------------
@@ -297,7 +298,8 @@ def _modify_on_rank_one() -> dict:
 
 def test_gathered_parameters_gives_whole_values_and_keeps_the_modifier_ranks_changes():
     a, b = run_distributed(_modify_on_rank_one, 2)
-    assert a["released"] == (0,) and a["whole"] == (128, 32)
+    assert a["released"] == (0,)
+    assert a["whole"] == (128, 32)
     for out in (a, b):
         assert torch.equal(out["seen"], torch.full((128, 32), 0.5))
     torch.testing.assert_close(a["after"], b["after"], rtol=0, atol=0)
@@ -321,7 +323,8 @@ def test_a_rank_skipping_a_block_fails_on_every_rank_naming_the_unit(shared_memo
     assert "entered different collectives" in message
     assert "all_gather of parameters [blocks.0]" in message
     seconds = [float(t) for t in re.findall(r"failed after (\d+\.\d) s", message)]
-    assert len(seconds) == 2 and max(seconds) < 30
+    assert len(seconds) == 2
+    assert max(seconds) < 30
 
 
 def _skip_gather_on_rank_one() -> None:
@@ -453,8 +456,8 @@ def _train_routed(stage: int, route_on_rank1: bool, frozen: bool, pinned: bool) 
 def test_stage3_edge_cases_match_stage0(route, frozen, pinned):
     stage0 = run_distributed(_train_routed, 2, 0, route, frozen, pinned, comm_timeout=20)
     stage3 = run_distributed(_train_routed, 2, 3, route, frozen, pinned, comm_timeout=20)
-    for a, b in zip(stage0, stage3):
-        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-6
+    for a, b in zip(stage0, stage3, strict=True):
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)) < 1e-6
         for name, value in a["params"].items():
             torch.testing.assert_close(b["params"][name], value, rtol=0, atol=1e-6, msg=name)
     if frozen:

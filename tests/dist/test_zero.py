@@ -24,7 +24,6 @@ from tests.helpers.training import (
 from zerotrain.testing.dist import run_distributed
 
 
-
 def _spec(stage: int, optimizer: str = "Adam", params: dict | None = None, **kw) -> RunSpec:
     return RunSpec(
         optimizer=optimizer,
@@ -262,9 +261,7 @@ def _two_heads_reference(world: int) -> dict[str, list[float]]:
     for step in range(6):
         x = torch.randn(2 * world, 4, generator=gen)
         opt.zero_grad(set_to_none=True)  # an unused head keeps grad None and is skipped
-        loss = sum(
-            model(chunk, _heads_schedule(step, r)) for r, chunk in enumerate(x.chunk(world))
-        )
+        loss = sum(model(chunk, _heads_schedule(step, r)) for r, chunk in enumerate(x.chunk(world)))
         (loss / world).backward()
         opt.step()
     return {n: p.detach().view(-1).tolist() for n, p in model.named_parameters()}
@@ -339,7 +336,9 @@ def _user_optimizer_with_zero_grad(stage: int) -> float:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_optimizers_zero_grad_does_not_stop_training(stage):
-    assert all(change > 1e-3 for change in run_distributed(_user_optimizer_with_zero_grad, 2, stage))
+    assert all(
+        change > 1e-3 for change in run_distributed(_user_optimizer_with_zero_grad, 2, stage)
+    )
 
 
 class _SometimesUnused(torch.nn.Module):
