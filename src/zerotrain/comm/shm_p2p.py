@@ -40,6 +40,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from zerotrain.comm.handle import CollectiveError
 from zerotrain.comm.shm import untracked_segment
 from zerotrain.utils.invariant import invariant
 
@@ -343,10 +344,14 @@ class ShmPairs:
                 # Reserve the pages now (tmpfs only truncates): a full /dev/shm fails here,
                 # not with SIGBUS on first touch.
                 os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
-            except OSError:
+            except OSError as exc:
                 segment.close()
                 _unlink(name)
-                raise
+                raise CollectiveError(
+                    f"rank {self.rank}: cannot reserve {size} bytes of shared memory for the "
+                    f"point-to-point channel with rank {peer} ({exc}); free space in /dev/shm, "
+                    "or set ZEROTRAIN_SHM=0 to send over the network backend instead"
+                ) from exc
             channel = PairChannel(segment, 0, self.settings)
             # The name goes when the peer opened it; this covers a peer that never does.
             weakref.finalize(channel, _unlink, name)
