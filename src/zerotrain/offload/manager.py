@@ -181,7 +181,7 @@ class Offload:
             except SwapError as error:
                 problem = str(error)
                 break
-        failed = failed_ranks(self.comm, problem is not None)
+        failed = failed_ranks(self.comm, bool(problem))
         if problem:
             raise SwapError(problem)
         if failed:
