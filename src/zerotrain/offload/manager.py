@@ -31,7 +31,11 @@ from zerotrain.optim.factory import FlatGroup
 from zerotrain.shard.storage import ResidentSlot, SlotStorage
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.logging import get_logger
-from zerotrain.utils.memory import map_large_allocations, release_free_memory
+from zerotrain.utils.memory import (
+    LargeAllocationMapping,
+    map_large_allocations,
+    release_free_memory,
+)
 
 log = get_logger(__name__)
 
@@ -85,11 +89,15 @@ class Offload:
         self.grad_writes = WriteBehind(_GRAD_WRITES_IN_FLIGHT)
         self._kept_in_cpu = 0  # parameter elements kept resident under max_in_cpu
         self.optimizer: OffloadedAdam | None = None
-        if (self.swap_optimizer or self.swap_params) and map_large_allocations():
-            # Swapped tensors are freed and regrown every step: without this, glibc keeps
-            # the freed blocks and resident memory grows with the model.
-            release_free_memory()
-            log.info("NVMe offload: allocations of 1 MiB and more are mapped and unmapped")
+        # Swapped tensors are freed and regrown every step: without mapping them
+        # individually, glibc keeps the freed blocks and resident memory grows with the
+        # model. Held until close().
+        self._mapping: LargeAllocationMapping | None = None
+        if self.swap_optimizer or self.swap_params:
+            self._mapping = map_large_allocations()
+            if self._mapping.active:
+                release_free_memory()
+                log.info("NVMe offload: allocations of 1 MiB and more are mapped and unmapped")
         if comm.device.type != "cpu" and shard_parameters and policy.param == "cpu":
             log.warning(
                 "offload_param.device 'cpu' does not move stage-3 parameter shards off %s yet: "
@@ -287,7 +295,7 @@ class Offload:
             yield
 
     def close(self) -> None:
-        """Remove the swap files (idempotent)."""
+        """Remove the swap files and release the allocator setting (idempotent)."""
         self.grad_writes.flush()
         for directory in self._dirs.values():
             directory.close()
@@ -295,6 +303,9 @@ class Offload:
         if self.io is not None:
             self.io.close()
             self.io = None
+        if self._mapping is not None:
+            self._mapping.release()
+            self._mapping = None
 
 
 def _swapped(slot: SlotStorage | None) -> SwappedTensor | None:

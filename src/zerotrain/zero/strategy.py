@@ -31,6 +31,7 @@ from zerotrain.utils.logging import get_logger
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
+from zerotrain.zero.init import replaying
 from zerotrain.zero.issue import issue
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
@@ -104,18 +105,20 @@ class ZeroStrategy:
         if zero.shard_parameters:
             invariant(stage3 is not None, "stage 3 needs the model")
             assert stage3 is not None
-            self.units, self.pools, modules = build_module_units(
-                stage3.model,
-                trainable,
-                stage3.policy.unit_classes,
-                comm,
-                zero,
-                reduce,
-                stage3.values,
-                self.precision,
-                offload,  # where each unit's states live (None: in memory)
-                host_master,
-            )
+            # A model built by zero.Init gets its values here, unit by unit.
+            with replaying(stage3.values):
+                self.units, self.pools, modules = build_module_units(
+                    stage3.model,
+                    trainable,
+                    stage3.policy.unit_classes,
+                    comm,
+                    zero,
+                    reduce,
+                    stage3.values,
+                    self.precision,
+                    offload,  # where each unit's states live (None: in memory)
+                    host_master,
+                )
             self.gatherer = ParamGatherer(self.units, modules, stage3.model, comm, stage3.policy)
             if offload is not None:
                 self.gatherer.read_ahead = offload.param_read_ahead
