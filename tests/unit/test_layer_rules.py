@@ -49,7 +49,7 @@ FORBIDDEN = {
     },
     "parallel": {"zero", "shard", "offload", "engine", "checkpoint", "cli"},
     # shard/ describes what to communicate (shard/io.py); zero/ issues it through comm/.
-    "shard": {"engine", "checkpoint", "cli", "zero", "comm"},
+    "shard": {"engine", "checkpoint", "cli", "zero", "comm", "offload"},
     "optim": {"comm", "shard", "zero", "engine", "checkpoint", "cli", "parallel"},
     "precision": {"comm", "shard", "zero", "engine", "checkpoint", "cli"},
     "utils": {"comm", "shard", "zero", "engine", "checkpoint", "cli", "config", "optim"},

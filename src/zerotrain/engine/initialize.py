@@ -291,20 +291,25 @@ def initialize(
             policies.stage3.persistence_threshold,
             shard_gradients=zero.shard_gradients,
         )
-    strategy = ZeroStrategy(
-        param_groups.trainable,
-        len(list(model.parameters())),
-        policies.grad_reduce.bucket_numel,
-        comm,
-        zero,
-        policies.grad_reduce,
-        Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
-        precision,
-        offload,
-        # Pipeline stages hold different parameters; the tensor axis replicates them until
-        # tensor parallelism shards some.
-        distinct_axes=[groups.pipe],
-    )
+    try:
+        strategy = ZeroStrategy(
+            param_groups.trainable,
+            len(list(model.parameters())),
+            policies.grad_reduce.bucket_numel,
+            comm,
+            zero,
+            policies.grad_reduce,
+            Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
+            precision,
+            offload,
+            # Pipeline stages hold different parameters; the tensor axis replicates them
+            # until tensor parallelism shards some.
+            distinct_axes=[groups.pipe],
+        )
+    except BaseException:
+        if offload is not None:
+            offload.close()  # its swap files and allocator setting; no engine will
+        raise
     opt = make_optimizer(optimizer, policies.optimizer, strategy, param_groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)
 

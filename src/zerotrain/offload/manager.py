@@ -1,11 +1,12 @@
 """What ``offload_optimizer`` and ``offload_param`` change, in one place.
 
 ``Offload`` is created before the units are built. It checks every ``nvme_path`` up front
-(exists, writable, enough free space for what all ranks on this machine will write there),
-moves each unit's fp32 master, stage-3 parameter shard and (stages 2-3) gradient slice into
-swap files as the unit is built (so that building a large model never holds more than one
-unit's values), builds the offloaded optimizer over the units' pieces, reports where memory
-is, and removes its files on ``close()``.
+(exists, writable, enough free space for what all ranks on this machine will write there).
+It is the units' ``shard.storage.StatePlacement``: as each unit is built it decides where the
+unit's fp32 master, stage-3 parameter shard and (stages 2-3) gradient slice live, and gives
+those that go to swap files a ``SwappedSlot`` (so that building a large model never holds
+more than one unit's values). It builds the offloaded optimizer over the units' pieces,
+reports where memory is, and removes its files on ``close()``.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from zerotrain.config.policies import OffloadPolicy, PrecisionPolicy
 from zerotrain.offload.aio import AsyncFileIO
 from zerotrain.offload.optimizer import OffloadedAdam, Operand, PieceOperands
 from zerotrain.offload.swap import SwapDirectory, SwapError, SwapFile, check_nvme_path
-from zerotrain.offload.swapped import SwappedTensor, WriteBehind
+from zerotrain.offload.swapped import SwappedSlot, SwappedTensor, WriteBehind
 from zerotrain.optim.factory import FlatGroup
-from zerotrain.shard.grads import ShardedGradients
-from zerotrain.shard.partitioned import PartitionedParams
+from zerotrain.shard.storage import ResidentSlot, SlotStorage
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.logging import get_logger
-from zerotrain.utils.memory import map_large_allocations, release_free_memory
+from zerotrain.utils.memory import (
+    LargeAllocationMapping,
+    map_large_allocations,
+    release_free_memory,
+)
 
 log = get_logger(__name__)
 
@@ -86,11 +90,15 @@ class Offload:
         self.grad_writes = WriteBehind(_GRAD_WRITES_IN_FLIGHT)
         self._kept_in_cpu = 0  # parameter elements kept resident under max_in_cpu
         self.optimizer: OffloadedAdam | None = None
-        if (self.swap_optimizer or self.swap_params) and map_large_allocations():
-            # Swapped tensors are freed and regrown every step: without this, glibc keeps
-            # the freed blocks and resident memory grows with the model.
-            release_free_memory()
-            log.info("NVMe offload: allocations of 1 MiB and more are mapped and unmapped")
+        # Swapped tensors are freed and regrown every step: without mapping them
+        # individually, glibc keeps the freed blocks and resident memory grows with the
+        # model. Held until close().
+        self._mapping: LargeAllocationMapping | None = None
+        if self.swap_optimizer or self.swap_params:
+            self._mapping = map_large_allocations()
+            if self._mapping.active:
+                release_free_memory()
+                log.info("NVMe offload: allocations of 1 MiB and more are mapped and unmapped")
         if comm.device.type != "cpu" and shard_parameters and policy.param == "cpu":
             log.warning(
                 "offload_param.device 'cpu' does not move stage-3 parameter shards off %s yet: "
@@ -196,30 +204,44 @@ class Offload:
         text = f"{socket.gethostname()}:{device}".encode()
         return float(zlib.crc32(text) + 1)
 
-    def adopt(self, unit: ShardedUnit) -> None:
-        """Move a freshly built unit's master and parameter shard into the swap files."""
-        if self.optimizer_file is not None and unit.master is not None and unit.master.numel():
-            region = self.optimizer_file.allocate(unit.master.numel(), torch.float32)
-            unit.master_swap = SwappedTensor(unit.master, region)
-        if isinstance(unit.grads, ShardedGradients):
-            self._adopt_grads(unit.grads)
-        buffer = unit.buffer
-        if self.param_file is None or not isinstance(buffer, PartitionedParams):
-            return
-        if unit.numel < self.persistence_threshold or buffer.shard.numel() == 0:
-            return  # stays gathered for the whole run
-        if self._kept_in_cpu + buffer.shard.numel() <= self.policy.max_in_cpu:
-            self._kept_in_cpu += buffer.shard.numel()
-            return
-        region = self.param_file.allocate(buffer.shard.numel(), buffer.shard.dtype)
-        buffer.swap = SwappedTensor(buffer.shard, region)
+    @property
+    def param_read_ahead(self) -> int:
+        """Stage-3 units whose swapped shards are read back ahead of the prefetched ones
+        (0 when shards stay in memory)."""
+        return self.policy.param_buffer_count - 1 if self.swap_params else 0
 
-    def _adopt_grads(self, grads: ShardedGradients) -> None:
-        if self.grad_file is None or grads.shard.numel() == 0:
-            return
-        region = self.grad_file.allocate(grads.shard.numel(), grads.shard.dtype)
+    # -- where each unit's states live (shard.storage.StatePlacement) ---------------------------
+
+    def master(self, tensor: torch.Tensor) -> SlotStorage:
+        """The fp32 master slice of a unit being built: in the optimizer's swap file under
+        NVMe optimizer offload (its values written there and freed), else in memory."""
+        if self.optimizer_file is None or tensor.numel() == 0:
+            return ResidentSlot(tensor)
+        region = self.optimizer_file.allocate(tensor.numel(), torch.float32)
+        return SwappedSlot(SwappedTensor(tensor, region))
+
+    def grad_slice(self, tensor: torch.Tensor) -> SlotStorage:
+        """A unit's gradient slice (stages 2-3): in the gradient swap file on CPU runs with
+        NVMe optimizer offload, written behind each reduction, else in memory."""
+        if self.grad_file is None or tensor.numel() == 0:
+            return ResidentSlot(tensor)
+        region = self.grad_file.allocate(tensor.numel(), tensor.dtype)
         # Zeros need no writing: a fresh region reads back as zeros.
-        grads.swap_to(SwappedTensor(grads.shard, region, store=False), self.grad_writes)
+        return SwappedSlot(SwappedTensor(tensor, region, store=False), self.grad_writes)
+
+    def param_shard(self, tensor: torch.Tensor, unit_numel: int) -> SlotStorage:
+        """A stage-3 unit's parameter shard: in the parameter swap file under NVMe
+        parameter offload, except for units that stay gathered (below the persistence
+        threshold) and the first ``max_in_cpu`` elements, which stay in memory."""
+        if self.param_file is None:
+            return ResidentSlot(tensor)
+        if unit_numel < self.persistence_threshold or tensor.numel() == 0:
+            return ResidentSlot(tensor)  # stays gathered for the whole run
+        if self._kept_in_cpu + tensor.numel() <= self.policy.max_in_cpu:
+            self._kept_in_cpu += tensor.numel()
+            return ResidentSlot(tensor)
+        region = self.param_file.allocate(tensor.numel(), tensor.dtype)
+        return SwappedSlot(SwappedTensor(tensor, region))
 
     # -- optimizer ------------------------------------------------------------------------------
 
@@ -276,7 +298,7 @@ class Offload:
             yield
 
     def close(self) -> None:
-        """Remove the swap files (idempotent)."""
+        """Remove the swap files and release the allocator setting (idempotent)."""
         self.grad_writes.flush()
         for directory in self._dirs.values():
             directory.close()
@@ -284,13 +306,21 @@ class Offload:
         if self.io is not None:
             self.io.close()
             self.io = None
+        if self._mapping is not None:
+            self._mapping.release()
+            self._mapping = None
+
+
+def _swapped(slot: SlotStorage | None) -> SwappedTensor | None:
+    """The swapped tensor behind ``slot`` when this module put it in a swap file."""
+    return slot.swapped if isinstance(slot, SwappedSlot) else None
 
 
 def _piece_operands(unit: ShardedUnit, start: int, param: torch.Tensor) -> PieceOperands:
     """Where the weights (and, for a swapped master, the copy to publish) of the piece at
     ``start`` of ``unit``'s flat buffer live."""
     n = param.numel()
-    shard_swap = unit.param_swap
+    shard_swap = _swapped(unit.param_slot)
     lo = unit.owned[0]
     shard_op = (
         Operand(region=shard_swap.region, start=start - lo, cache=shard_swap)
@@ -298,15 +328,16 @@ def _piece_operands(unit: ShardedUnit, start: int, param: torch.Tensor) -> Piece
         else Operand(tensor=unit.buffer.owned_slice(start, start + n))
     )
     grad = None
-    if unit.grad_swap is not None:
+    grad_swap = _swapped(unit.grad_slot)
+    if grad_swap is not None:
         # Never cached: the step runs after every slice was written out and dropped.
-        grad = Operand(region=unit.grad_swap.region, start=start - lo)
+        grad = Operand(region=grad_swap.region, start=start - lo)
     if unit.master is None:
         return PieceOperands(weights=shard_op, grad=grad)
-    if unit.master_swap is None:
+    master = _swapped(unit.master_slot)
+    if master is None:
         # unit.publish() rounds it
         return PieceOperands(weights=Operand(tensor=param), grad=grad)
     mlo = unit.master_range[0]
-    master = unit.master_swap
     weights = Operand(region=master.region, start=start - mlo, cache=master)
     return PieceOperands(weights=weights, publish=shard_op, grad=grad)

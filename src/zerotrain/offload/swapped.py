@@ -5,17 +5,22 @@ and grown again when the values are read back, so views made of it (a stage-3 pa
 shard, the optimizer's pieces of an fp32 master) stay valid across swaps, exactly as
 ``PartitionedParams`` frees and regrows its gathered buffer. The file is the source of truth;
 a resident copy is a cache that whoever changes it writes back.
+
+``SwappedSlot`` adapts a ``SwappedTensor`` to ``shard.storage.SlotStorage``, the protocol
+through which units handle their states without knowing where they live.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from zerotrain.offload.aio import IOFuture
 from zerotrain.offload.swap import SwapRegion
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.norms import squared_norm
 
 
 class SwappedTensor:
@@ -131,3 +136,87 @@ class WriteBehind:
         """Wait for every write and drop what was written (before the files are read)."""
         while self._pending:
             self._pending.popleft().drop()
+
+
+class SwappedSlot:
+    """A unit's state kept in a swap file (``shard.storage.SlotStorage``): resident only
+    while the unit uses it, and streamed through the offloaded optimizer step.
+
+    Args:
+        swapped: the state's tensor and its region.
+        writer: stores changed values in the background and frees them once written
+            (gradient slices: the backward pass runs ahead of the disk); None: ``stow``
+            writes synchronously.
+    """
+
+    def __init__(self, swapped: SwappedTensor, writer: WriteBehind | None = None) -> None:
+        self.swapped = swapped
+        self._writer = writer
+        # Sum of squares of the values as last stowed with ``final`` (0-d fp64): clipping
+        # reads it instead of the file. A fresh region holds zeros.
+        self._squares = torch.zeros((), dtype=torch.float64)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The state's tensor (its storage is empty while swapped out)."""
+        return self.swapped.tensor
+
+    @property
+    def region(self) -> SwapRegion:
+        """Where the values live (the offloaded step reads and writes it directly)."""
+        return self.swapped.region
+
+    @property
+    def resident(self) -> bool:
+        """Whether the values are in memory now."""
+        return self.swapped.resident
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes in memory now (while resident or being read back)."""
+        return self.swapped.resident_bytes
+
+    @property
+    def streamed(self) -> bool:
+        """Always: the offloaded step reads and writes the region chunk by chunk."""
+        return True
+
+    def materialize(self, read: bool = True) -> torch.Tensor:
+        """Read the values back (``read=False``: only the memory) and return the tensor."""
+        return self.swapped.materialize(read=read)
+
+    def prefetch(self) -> None:
+        """Start reading the values back."""
+        self.swapped.prefetch()
+
+    def write_back(self) -> None:
+        """Store the resident values in the file."""
+        self.swapped.write_back()
+
+    def drop(self) -> None:
+        """Free the resident copy (the file keeps the values)."""
+        self.swapped.drop()
+
+    def stow(self, final: bool) -> None:
+        """Write the changed values out and free them once written; ``final``: take their
+        sum of squares first."""
+        if final:
+            # The same function as for resident values, so clipping is bitwise unchanged.
+            self._squares = squared_norm(self.swapped.tensor)
+        if self._writer is not None:
+            self._writer.put(self.swapped)
+            return
+        self.swapped.write_back()
+        self.swapped.drop()
+
+    def squared_norm(self, values: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The sum of squares taken by the last final ``stow`` (the file is not read)."""
+        return self._squares
+
+    def zero_(self, unread: bool) -> None:
+        """Store zeros, unless ``unread`` (then the file keeps stale values that nothing
+        reads before they are overwritten: no gradient's worth of writes for nothing)."""
+        if unread:
+            return
+        self.swapped.materialize(read=False).zero_()
+        self.stow(final=True)

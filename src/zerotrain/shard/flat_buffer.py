@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zerotrain.shard.layout import FlatLayout
+from zerotrain.shard.storage import ResidentSlot, SlotStorage, StatePlacement
 from zerotrain.utils.invariant import invariant
 
 
@@ -54,6 +55,11 @@ class FlatParamBuffer:
                 view = self.view(self.data, i)
                 view.copy_(param.detach())
                 param.data = view
+        # Stages 0-2 keep whole parameters in memory: offload never moves them.
+        self.slot: SlotStorage = ResidentSlot(self.data)
+
+    def place(self, placement: StatePlacement, unit_numel: int) -> None:
+        """Nothing to place: whole parameters stay in memory (see ``PartitionedParams``)."""
 
     @property
     def nbytes(self) -> int:

@@ -8,10 +8,10 @@
   slice (stage 1).
 * ``ShardedGradients`` (stages 2 and 3): only this rank's slice is kept. On every micro-step the
   gradients are copied into a staging buffer as autograd produces them (and ``param.grad``
-  is freed), reduce-scattered, and added into the slice. Under NVMe optimizer offload the
-  slice lives in a swap file between reductions (``swap_to``): resident only while a
-  reduction adds into it and its write is in flight, with its norm taken on the way out
-  for clipping.
+  is freed), reduce-scattered, and added into the slice. Where the slice lives between
+  reductions is its ``SlotStorage`` (``shard/storage.py``): in memory, or under NVMe
+  optimizer offload in a swap file, resident only while a reduction adds into it and its
+  write is in flight, with its norm taken on the way out for clipping.
 
 Both take their scaling from ``divisors``: ``1 / pre_divide`` before the reduction and
 ``1 / post_divide`` after it, and reduce in the communication dtype: staging buffers have
@@ -22,7 +22,6 @@ it (stages 2-3); a full buffer of another dtype is converted for the reduction a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,11 +30,8 @@ from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.io import CollectiveIO, Op
 from zerotrain.shard.partitioned import PartitionedParams
 from zerotrain.shard.staging import StagingPool
+from zerotrain.shard.storage import ResidentSlot, SlotStorage, StatePlacement
 from zerotrain.utils.invariant import invariant
-from zerotrain.utils.norms import squared_norm
-
-if TYPE_CHECKING:
-    from zerotrain.offload.swapped import SwappedTensor, WriteBehind
 
 StagingProvider = Callable[[], torch.Tensor]
 
@@ -84,9 +80,14 @@ class FullGradients:
         # param.grad must have the parameter's dtype: views only when the buffer has it.
         self.views = self.flat.dtype == buffer.dtype
         self.shard = self.flat[owned[0] : owned[1]]
+        # Stage 1 keeps whole gradients, which stay in memory even under NVMe offload.
+        self.slot: SlotStorage = ResidentSlot(self.shard)
         # Gradients from before the engine existed are not part of any window.
         for param in buffer.params:
             param.grad = None
+
+    def place(self, placement: StatePlacement) -> None:
+        """Nothing to place: whole gradients stay in memory."""
 
     @property
     def nbytes(self) -> int:
@@ -203,36 +204,17 @@ class ShardedGradients:
         self._staged: set[int] = set()  # parameters copied into staging this micro-step
         self._shard_is_zero = True  # the next reduction can overwrite instead of adding
         self._window_reduced = False  # the window's last reduction is in the slice
-        self.swap: SwappedTensor | None = None
-        self._writer: WriteBehind | None = None
-        # L2 norm of a swapped slice after the window's last reduction (for clipping, which
-        # cannot read the slice back cheaply).
-        # Sum of squares of a swapped slice, taken as it is written out (0-d fp64).
-        self.sq_norm: torch.Tensor | None = None
+        self.slot: SlotStorage = ResidentSlot(self.shard)
+
+    def place(self, placement: StatePlacement) -> None:
+        """Give the slice the storage ``placement`` decides (once, as the unit is built)."""
+        self.slot = placement.grad_slice(self.shard)
+        invariant(self.slot.tensor is self.shard, "the slot must hold this slice")
 
     @property
     def nbytes(self) -> int:
         """Bytes of the owned slice in memory (staging buffers are counted by the pool)."""
-        if self.swap is not None:
-            return self.swap.resident_bytes
-        return self.shard.numel() * self.shard.element_size()
-
-    def swap_to(self, swap: SwappedTensor, writer: WriteBehind) -> None:
-        """Keep the slice (``swap.tensor`` is ``shard``) in a swap file between reductions,
-        written out through ``writer``."""
-        invariant(swap.tensor is self.shard, "the swap must back this slice")
-        self.swap = swap
-        self._writer = writer
-        self.sq_norm = torch.zeros((), dtype=torch.float64)
-
-    def _swap_out(self, final: bool) -> None:
-        assert self.swap is not None
-        assert self._writer is not None
-        self._window_reduced = final
-        if final:
-            # The same function as for resident slices, so clipping is bitwise unchanged.
-            self.sq_norm = squared_norm(self.shard)
-        self._writer.put(self.swap)
+        return self.slot.resident_bytes
 
     def attach(self) -> None:
         """Nothing to prepare: autograd adds to whatever ``param.grad`` holds (gradients of
@@ -293,15 +275,14 @@ class ShardedGradients:
         def finish() -> None:
             if post != 1.0:
                 out.div_(post)
-            if self.swap is not None:
-                self.swap.materialize(read=not overwrite)
+            self.slot.materialize(read=not overwrite)
             if overwrite:
                 self.shard.copy_(out)
             else:
                 self.shard.add_(out)
             self.pool.release(pooled)
-            if self.swap is not None:
-                self._swap_out(final)
+            self._window_reduced = final
+            self.slot.stow(final)
             on_done()
 
         return CollectiveIO("reduce_scatter", out, full, "gradients", label, finish)
@@ -325,14 +306,7 @@ class ShardedGradients:
     def zero_values(self) -> None:
         """Zero the gradient in place (``engine.zero_grad()``)."""
         self._shard_is_zero = True
-        if self.swap is None:
-            self.shard.zero_()
-            return
-        if not self._window_reduced:
-            # Nothing reads a swapped slice before the window's last reduction, and the
-            # next reduction overwrites it: writing zeros would cost a gradient's worth of
-            # disk writes per call for nothing.
-            return
-        self.swap.materialize(read=False)
-        self.shard.zero_()
-        self._swap_out(final=True)
+        # Nothing reads the slice before the window's last reduction, and the next
+        # reduction overwrites it: a slice in a swap file skips writing a gradient's worth
+        # of zeros per call then.
+        self.slot.zero_(unread=not self._window_reduced)

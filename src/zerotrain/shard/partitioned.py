@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.layout import FlatLayout
+from zerotrain.shard.storage import ResidentSlot, SlotStorage, StatePlacement
 from zerotrain.utils.invariant import invariant
-
-if TYPE_CHECKING:
-    from zerotrain.offload.swapped import SwappedTensor
 
 
 class ShardState(enum.Enum):
@@ -91,9 +88,9 @@ class PartitionedParams:
         self.device = shard.device
         self.owned = layout.shard_range(rank)
         self.shard = shard
-        # NVMe offload: ``shard`` lives in a swap file between uses and is read back for
-        # each gather (``prefetch_shard`` starts that read ahead of need).
-        self.swap: SwappedTensor | None = None
+        # Where ``shard`` lives between gathers: in memory, or (NVMe offload, see ``place``)
+        # in a file, read back for each gather (``prefetch_shard`` starts that ahead of need).
+        self.slot: SlotStorage = ResidentSlot(shard)
         self.full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         self.state = ShardState.GATHERED  # until the free() below
         self._pins = 0
@@ -146,22 +143,27 @@ class PartitionedParams:
     def _arrived(self) -> None:
         self._move(ShardState.GATHERED, "gather completed")
 
+    def place(self, placement: StatePlacement, unit_numel: int) -> None:
+        """Give the permanent slice the storage ``placement`` decides (once, as the unit is
+        built, after every view of the slice exists); ``unit_numel``: the unit's parameter
+        elements."""
+        self.slot = placement.param_shard(self.shard, unit_numel)
+        invariant(self.slot.tensor is self.shard, "the slot must hold this rank's slice")
+
     @property
     def nbytes(self) -> int:
         """Bytes of the permanent storage (this rank's slice) in memory now."""
-        if self.swap is not None:
-            return self.swap.resident_bytes
-        return self.shard.numel() * self.shard.element_size()
+        return self.slot.resident_bytes
 
     def drop_shard(self) -> None:
-        """Free a swapped-out shard read back for a gather that has not happened."""
-        if self.swap is not None and not self.gathered:
-            self.swap.drop()
+        """Free a slice read back for a gather that has not happened (storage kept in a
+        file only)."""
+        if not self.gathered:
+            self.slot.drop()
 
     def prefetch_shard(self) -> None:
-        """Start reading a swapped-out shard back (ahead of its gather)."""
-        if self.swap is not None:
-            self.swap.prefetch()
+        """Start reading the slice back ahead of its gather (storage kept in a file only)."""
+        self.slot.prefetch()
 
     @property
     def gathered_nbytes(self) -> int:
@@ -188,8 +190,7 @@ class PartitionedParams:
         """Make room for the whole buffer and point the parameters at it; returns the
         all-gather that fills it (their values are valid once that has completed)."""
         self._move(ShardState.GATHERING, "gather")
-        if self.swap is not None:
-            self.swap.materialize()
+        self.slot.materialize()
         self.full.untyped_storage().resize_(self.full_nbytes)
         for i, param in enumerate(self.params):
             param.data = self.view(self.full, i)
@@ -213,8 +214,7 @@ class PartitionedParams:
         invariant(self.gathered, "unit not gathered")
         lo, hi = self.owned
         self.shard.copy_(self.full[lo:hi])
-        if self.swap is not None:
-            self.swap.write_back()
+        self.slot.write_back()
 
     def free(self) -> None:
         """Drop the gathered values; parameters become empty until the next gather."""
@@ -222,8 +222,7 @@ class PartitionedParams:
         for param in self.params:
             param.data = self._released
         self.full.untyped_storage().resize_(0)
-        if self.swap is not None:
-            self.swap.drop()
+        self.slot.drop()  # the slice is read back for the next gather
 
     def release(self) -> None:
         """Give every parameter its own full storage again (the unit must be gathered)."""

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,15 +35,17 @@ from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.grads import FullGradients, ShardedGradients, StagingProvider
 from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.layout import FlatLayout
-
-if TYPE_CHECKING:
-    from zerotrain.offload.swapped import SwappedTensor
 from zerotrain.shard.owned import ValueSource, copy_owned_range
 from zerotrain.shard.partitioned import PartitionedParams, ShardState
 from zerotrain.shard.policy import ZeroPolicy
 from zerotrain.shard.staging import StagingPool
+from zerotrain.shard.storage import (
+    ResidentPlacement,
+    SlotStorage,
+    StatePlacement,
+    held_in_memory,
+)
 from zerotrain.utils.invariant import invariant
-from zerotrain.utils.norms import squared_norm
 
 
 class Ranks(Protocol):
@@ -103,6 +105,9 @@ class ShardedUnit:
         precision: dtypes of parameters, gradients and their reduction; master weights.
         master_on_host: optimizer offload: on an accelerator, keep the fp32 copy the
             optimizer steps in host memory (also for fp32 parameters).
+        placement: where the master, gradient slice and parameter shard keep their values
+            (``shard/storage.py``; default: in memory). NVMe offload passes its ``Offload``,
+            which moves them to swap files as the unit is built.
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class ShardedUnit:
         values: ValueSource | None = None,
         precision: PrecisionPolicy | None = None,
         master_on_host: bool = False,
+        placement: StatePlacement | None = None,
     ) -> None:
         sharded = zero.shard_optimizer
         invariant(
@@ -179,9 +185,8 @@ class ShardedUnit:
                     layout, self.master_range, value_of, torch.float32, device
                 )
             self.buffer = FlatParamBuffer(layout, params, compute)
-        # NVMe offload: the master's values live in a swap file (offload/swapped.py); the
-        # tensor keeps its identity, resident only while something materializes it.
-        self.master_swap: SwappedTensor | None = None
+        # Where the master's values live (None: no master); see _place.
+        self.master_slot: SlotStorage | None = None
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
         self.trainable = tuple(trainable) if trainable is not None else (True,) * len(params)
@@ -207,6 +212,17 @@ class ShardedUnit:
         self.state = GradState.ACCUMULATING
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
+        self._place(placement or ResidentPlacement())
+
+    def _place(self, placement: StatePlacement) -> None:
+        """Give each state its storage. Last in construction, once every view of the states
+        exists (pieces, parameters): storage in a file frees the memory right away, so
+        building a model never holds more than one unit's values."""
+        if self.master is not None:
+            self.master_slot = placement.master(self.master)
+            invariant(self.master_slot.tensor is self.master, "the slot must hold the master")
+        self.grads.place(placement)
+        self.buffer.place(placement, self.numel)
 
     @property
     def persistent(self) -> bool:
@@ -229,28 +245,28 @@ class ShardedUnit:
         return self.buffer.layout.numel
 
     @property
-    def grad_swap(self) -> SwappedTensor | None:
-        """The swap file region backing the gradient slice (NVMe optimizer offload), if any."""
-        return self.grads.swap if isinstance(self.grads, ShardedGradients) else None
-
-    @property
-    def grads_swapped(self) -> bool:
-        """NVMe optimizer offload keeps the gradient slice in a swap file."""
-        return self.grad_swap is not None
+    def grad_slot(self) -> SlotStorage:
+        """Where the gradient slice lives (in memory, or a swap file under NVMe offload)."""
+        return self.grads.slot
 
     def grad_squared_norm(self) -> torch.Tensor:
-        """Sum of squares of the reduced gradient slice (0-d fp64), without reading a swapped
-        one (its sum was taken as it was written out)."""
-        if isinstance(self.grads, ShardedGradients) and self.grads.swap is not None:
-            invariant(self.grads.sq_norm is not None, "a swapped slice has a recorded norm")
-            return self.grads.sq_norm  # type: ignore[return-value]
-        return squared_norm(self.grad_shard)
+        """Sum of squares of the reduced gradient slice (0-d fp64), without reading a slice
+        kept in a file (its sum was taken as it was written out)."""
+        return self.grads.slot.squared_norm(lambda: self.grad_shard)
+
+    def grads_to_scale(self) -> list[torch.Tensor]:
+        """The gradient to multiply in memory by the unscale/clip factor: none when the
+        offloaded step streams the slice (it scales each chunk as it reads it)."""
+        return [] if self.grads.slot.streamed else [self.grad_shard]
 
     @property
     def grad_shard(self) -> torch.Tensor:
         """The reduced gradient of this rank's owned range (padding included), in the dtype
         the optimizer steps: views of it are the pieces' ``.grad``."""
-        invariant(not self.grads_swapped, f"{self!r}: the gradient slice is in a swap file")
+        invariant(
+            not self.grads.slot.streamed,
+            f"{self!r}: the gradient slice is streamed from a swap file",
+        )
         shard = self.grads.shard
         if self.master is None or shard.dtype == torch.float32:
             return shard
@@ -262,37 +278,28 @@ class ShardedUnit:
     def master_nbytes(self) -> int:
         """Bytes of the fp32 master copy in memory (0 without mixed precision, or while it
         is swapped out to a file)."""
-        if self.master_swap is not None:
-            return self.master_swap.resident_bytes
-        return 0 if self.master is None else self.master.numel() * self.master.element_size()
+        return 0 if self.master_slot is None else self.master_slot.resident_bytes
 
     @property
-    def param_swap(self) -> SwappedTensor | None:
-        """Stage 3 with NVMe parameter offload: the swapped shard of this unit, if any."""
-        return self.buffer.swap if isinstance(self.buffer, PartitionedParams) else None
+    def param_slot(self) -> SlotStorage:
+        """Where this rank's parameter values live between uses (stage 3 with NVMe
+        parameter offload: a swap file; otherwise memory)."""
+        return self.buffer.slot
 
-    @contextlib.contextmanager
-    def resident(self, write_back: bool) -> Iterator[None]:
-        """Keep swapped-out master and parameter shard in memory for the duration (for
-        checkpoints and ``release``); ``write_back``: store them in their files afterwards."""
-        swapped = [s for s in (self.master_swap, self.param_swap) if s is not None]
-        was = [s.resident for s in swapped]
-        for s in swapped:
-            s.materialize()
-        try:
-            yield
-        finally:
-            for s, resident in zip(swapped, was, strict=True):
-                if write_back:
-                    s.write_back()
-                if not resident:
-                    s.drop()
+    def _state_slots(self) -> tuple[SlotStorage, ...]:
+        master = () if self.master_slot is None else (self.master_slot,)
+        return (*master, self.buffer.slot)
+
+    def resident(self, write_back: bool) -> contextlib.AbstractContextManager[None]:
+        """Keep master and parameter shard in memory for the duration, wherever they live
+        (for checkpoints and ``release``); ``write_back``: store them afterwards."""
+        return held_in_memory(self._state_slots(), write_back)
 
     def bind_optimizer_grads(self) -> None:
         """Point each piece's ``.grad`` at its part of :attr:`grad_shard` (an optimizer's
         ``zero_grad()`` drops these references; without them the piece would be skipped).
-        A swapped slice is read by the offloaded step itself."""
-        if self.grads_swapped:
+        A streamed slice is read by the offloaded step itself."""
+        if self.grads.slot.streamed:
             return
         lo = self.owned[0]
         grad = self.grad_shard
@@ -410,16 +417,13 @@ class ShardedUnit:
 
     def publish(self) -> None:
         """After an optimizer step: round the updated fp32 master into this rank's range of
-        the parameters (before ``gather`` spreads it). A swapped-out master was published
+        the parameters (before ``gather`` spreads it). A streamed master was published
         chunk by chunk by the offloaded step."""
-        if self.master is None or self.master_swap is not None:
+        master = self.master_slot
+        if master is None or master.streamed:
             return
-        with (
-            self.resident(write_back=True)
-            if self.param_swap is not None
-            else contextlib.nullcontext()
-        ):
-            self.buffer.owned_slice(*self.master_range).copy_(self.master)
+        with held_in_memory((self.buffer.slot,), write_back=True):
+            self.buffer.owned_slice(*self.master_range).copy_(master.tensor)
 
     def adopt_outside_changes(self) -> torch.Tensor | None:
         """Before an optimizer step: where this rank's range of the parameters no longer
@@ -434,30 +438,26 @@ class ShardedUnit:
         version counters alone). Stage-3 units that are not gathered have nothing visible
         to change.
         """
+        master = self.master_slot
         if isinstance(self.buffer, FlatParamBuffer):
-            if self.master is None:
+            if master is None:
                 return None  # the optimizer steps the parameters themselves
             self.buffer.readopt()
-            if self.master_swap is not None and not self.master_swap.resident:
-                return None  # compared chunk by chunk by the offloaded step
+            if not master.resident:
+                return None  # in a swap file: compared chunk by chunk by the offloaded step
             visible = self.buffer.owned_slice(*self.master_range)
-            return take_changes(self.master, visible)
+            return take_changes(master.tensor, visible)
         if not self.buffer.gathered:
             return None
         lo, hi = self.owned
         changed = take_changes(self.buffer.shard, self.buffer.full[lo:hi])
-        if self.param_swap is not None:
-            self.param_swap.write_back()
-        if self.master is not None:
-            # Gathered units are few (persistent ones, GatheredParameters): swapping their
-            # master in for the comparison is cheap.
-            with (
-                self.resident(write_back=True)
-                if self.master_swap is not None
-                else contextlib.nullcontext()
-            ):
+        self.buffer.slot.write_back()  # a gathered unit's slice is resident
+        if master is not None:
+            # Gathered units are few (persistent ones, GatheredParameters): reading a master
+            # kept in a file back for the comparison is cheap.
+            with held_in_memory((master,), write_back=True):
                 visible = self.buffer.owned_slice(*self.master_range)
-                changed += take_changes(self.master, visible)
+                changed += take_changes(master.tensor, visible)
         return changed
 
     def release(self, run: Callable[[CollectiveIO], None]) -> None:

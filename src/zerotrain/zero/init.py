@@ -17,6 +17,7 @@ them. Buffers are built normally (they are small and not partitioned).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -33,7 +34,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
 from zerotrain.shard.partitioned import replace_storage
-from zerotrain.utils.memory import map_large_allocations, release_free_memory
+from zerotrain.utils.memory import (
+    LargeAllocationMapping,
+    map_large_allocations,
+    release_free_memory,
+)
 from zerotrain.utils.torch_compat import storage_id
 
 # Side tables, never attributes on tensors. A parameter built by Init -> its recipe, until
@@ -318,9 +323,11 @@ class Init:
     fails); which tensor belongs to which recipe is kept in side tables, never in
     attributes on the tensors.
 
-    Entering also sets the process's C allocator to map allocations of 1 MiB and more
-    individually (``utils.memory.map_large_allocations``, glibc): otherwise the heap keeps
-    what recording and replay free, and resident memory grows with the model.
+    Inside the context the process's C allocator maps allocations of 1 MiB and more
+    individually (``utils.memory.map_large_allocations``, glibc), and again while
+    ``initialize`` replays the recipes: otherwise the heap keeps what recording and replay
+    free, and resident memory grows with the model. Each hold is released when its part
+    is done.
     """
 
     def __init__(self, config: Any = None, enabled: bool = True, **kwargs: Any) -> None:
@@ -337,13 +344,14 @@ class Init:
         self._tracked = WeakIdKeyDictionary()  # meta tensor -> (recipe, chain)
         self._inits: dict[str, Callable[..., Any]] = {}
         self._scratch = _Scratch()
+        self._mapping: LargeAllocationMapping | None = None
 
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        # Recording and later replaying a large model allocates and frees many tensors of a
-        # few MiB; mapped individually, they leave nothing behind in the C heap.
-        map_large_allocations()
+        # Recording a large model allocates and frees many tensors of a few MiB; mapped
+        # individually, they leave nothing behind in the C heap.
+        self._mapping = map_large_allocations()
         self._new = nn.Parameter.__new__
         # nn.init functions are recorded whole: some draw a data-dependent amount of random
         # numbers (trunc_normal_'s rejection sampling), which no meta tensor can follow.
@@ -367,6 +375,9 @@ class Init:
         nn.Parameter.__new__ = self._new  # type: ignore[method-assign]
         for name, func in self._inits.items():
             setattr(nn.init, name, func)
+        if self._mapping is not None:
+            self._mapping.release()
+            self._mapping = None
 
     def __exit__(
         self,
@@ -504,9 +515,16 @@ def _random_inputs(recipe: Recipe, found: dict[int, torch.Tensor]) -> None:
                 found.setdefault(id(value.state), value.state)
 
 
+def replaying(values: object | None) -> contextlib.AbstractContextManager[object]:
+    """Around computing parameter values from ``values`` (``Init``'s recipes; None: an
+    ordinary model, nothing to do): replaying allocates and frees tensors of a few MiB, which
+    are mapped individually meanwhile so that they leave nothing behind in the C heap."""
+    return contextlib.nullcontext() if values is None else map_large_allocations()
+
+
 def materialize(model: nn.Module, values: DeferredValues) -> None:
     """Give every parameter of a model built by ``Init`` its full value (for stages 0-2)."""
-    with torch.no_grad():
+    with torch.no_grad(), replaying(values):
         for param in model.parameters():
             if param.is_meta:
                 replace_storage(param, values(param))

@@ -16,14 +16,13 @@ import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
-from zerotrain.offload.manager import Offload
 from zerotrain.optim.clip import norm_from_squares
 from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
@@ -32,9 +31,13 @@ from zerotrain.utils.logging import get_logger
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
+from zerotrain.zero.init import replaying
 from zerotrain.zero.issue import issue
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
+
+if TYPE_CHECKING:
+    from zerotrain.offload.manager import Offload
 
 log = get_logger(__name__)
 
@@ -96,29 +99,29 @@ class ZeroStrategy:
             # only competes with it; waiting for each as it is launched is faster there.
             reduce = dataclasses.replace(reduce, overlap=comm.device.type == "cuda")
         self.gatherer: ParamGatherer | None = None
-        on_built = None
         host_master = offload is not None and offload.policy.optimizer != "none"
         if offload is not None:
             self._reserve_offload(offload, trainable, stage3)
-            on_built = offload.adopt
         if zero.shard_parameters:
             invariant(stage3 is not None, "stage 3 needs the model")
             assert stage3 is not None
-            self.units, self.pools, modules = build_module_units(
-                stage3.model,
-                trainable,
-                stage3.policy.unit_classes,
-                comm,
-                zero,
-                reduce,
-                stage3.values,
-                self.precision,
-                on_built,
-                host_master,
-            )
+            # A model built by zero.Init gets its values here, unit by unit.
+            with replaying(stage3.values):
+                self.units, self.pools, modules = build_module_units(
+                    stage3.model,
+                    trainable,
+                    stage3.policy.unit_classes,
+                    comm,
+                    zero,
+                    reduce,
+                    stage3.values,
+                    self.precision,
+                    offload,  # where each unit's states live (None: in memory)
+                    host_master,
+                )
             self.gatherer = ParamGatherer(self.units, modules, stage3.model, comm, stage3.policy)
-            if offload is not None and offload.swap_params:
-                self.gatherer.read_ahead = offload.policy.param_buffer_count - 1
+            if offload is not None:
+                self.gatherer.read_ahead = offload.param_read_ahead
         else:
             self.units, self.pools = build_units(
                 trainable,
@@ -127,7 +130,7 @@ class ZeroStrategy:
                 zero,
                 reduce,
                 self.precision,
-                on_built,
+                offload,
                 host_master,
             )
             # Whole parameters: GatheredParameters(modifier_rank=...) broadcasts over comm.
@@ -318,9 +321,9 @@ class ZeroStrategy:
 
     def scale_grads(self, coef: torch.Tensor | None) -> None:
         """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
-        them). Swapped slices are scaled by the offloaded step as it reads them."""
+        them). Streamed slices are scaled by the offloaded step as it reads them."""
         if coef is not None:
-            resident = [u.grad_shard for u in self.units if not u.grads_swapped]
+            resident = [g for u in self.units for g in u.grads_to_scale()]
             if resident:
                 torch._foreach_mul_(resident, coef.to(resident[0].device))
         if self.offload is not None and self.offload.optimizer is not None:

@@ -22,6 +22,7 @@ from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy
 from zerotrain.shard.layout import FlatLayout
 from zerotrain.shard.staging import StagingPool
+from zerotrain.shard.storage import StatePlacement
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.zero.module_units import plan_module_units
 from zerotrain.zero.policy import ZeroPolicy
@@ -89,14 +90,14 @@ def _make_units(
     precision: PrecisionPolicy,
     staging_buffers: int,
     values: ValueLookup | None,
-    on_built: Callable[[ShardedUnit], None] | None,
+    placement: StatePlacement | None,
     master_on_host: bool,
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
     """The one place units are built, for every stage: a layout per plan, the staging
     pools the units share (stages 2-3: one per reduction dtype and device, sized for its
     largest unit, with ``staging_buffers`` buffers), then each unit in plan order.
-    ``on_built`` sees each unit as soon as it exists (offload moves its states out before
-    the next is built)."""
+    ``placement`` decides where each unit's states live as it is built (offload moves them
+    to swap files before the next unit is built; None: in memory)."""
     world = comm.world_size if zero.shard_optimizer else 1
     layouts = [
         FlatLayout.pack([(n, tuple(p.shape)) for n, p in plan.members], world) for plan in plans
@@ -137,9 +138,8 @@ def _make_units(
             values=source,
             precision=precision,
             master_on_host=master_on_host,
+            placement=placement,
         )
-        if on_built is not None:
-            on_built(unit)
         units.append(unit)
     return units, list(pools.values())
 
@@ -151,7 +151,7 @@ def build_units(
     zero: ZeroPolicy,
     reduce: GradReducePolicy,
     precision: PrecisionPolicy | None = None,
-    on_built: Callable[[ShardedUnit], None] | None = None,
+    placement: StatePlacement | None = None,
     master_on_host: bool = False,
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
     """Stages 0-2: pack ``trainable`` into buckets, returned in the order their gradients
@@ -187,7 +187,7 @@ def build_units(
         for bucket in buckets
     ]
     count = 2 if reduce.overlap else 1
-    return _make_units(plans, comm, zero, reduce, precision, count, None, on_built, master_on_host)
+    return _make_units(plans, comm, zero, reduce, precision, count, None, placement, master_on_host)
 
 
 def build_module_units(
@@ -199,7 +199,7 @@ def build_module_units(
     reduce: GradReducePolicy,
     values: ValueLookup | None = None,
     precision: PrecisionPolicy | None = None,
-    on_built: Callable[[ShardedUnit], None] | None = None,
+    placement: StatePlacement | None = None,
     master_on_host: bool = False,
 ) -> tuple[list[ShardedUnit], list[StagingPool], list[nn.Module]]:
     """Stage 3: one unit per block of the model plus the root unit (see
@@ -241,7 +241,7 @@ def build_module_units(
     # The root unit's early gradients (final norm, head) are staged for the whole backward
     # pass while the blocks' come and go: two buffers, so the blocks never wait for a third.
     units, pools = _make_units(
-        plans, comm, zero, reduce, precision, 2, values, on_built, master_on_host
+        plans, comm, zero, reduce, precision, 2, values, placement, master_on_host
     )
     return units, pools, [p.module for p in planned]
 
