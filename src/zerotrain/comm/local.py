@@ -18,6 +18,17 @@ from zerotrain.comm.comms_logger import CommsLogger
 from zerotrain.comm.stats import CommStats
 
 
+def _copy(source: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+    """The whole collective over one rank: ``target`` takes ``source``'s elements (nothing
+    to do when it is ``source`` itself, an in-place call)."""
+
+    def run() -> None:
+        if target.data_ptr() != source.data_ptr():
+            target.view(-1).copy_(source.view(-1))
+
+    return run
+
+
 class LocalCommunicator(Communicator):
     """A :class:`Communicator` over this rank alone (rank 0 of 1); no process group.
 
@@ -95,12 +106,7 @@ class LocalCommunicator(Communicator):
         label: str | None = None,
     ) -> Handle:
         """``output`` receives ``full`` (its only chunk)."""
-
-        def copy() -> None:
-            if output.data_ptr() != full.data_ptr():
-                output.view(-1).copy_(full.view(-1))
-
-        return self._local("reduce_scatter", purpose, full, copy, on_done, label)
+        return self._local("reduce_scatter", purpose, full, _copy(full, output), on_done, label)
 
     def all_gather_into(
         self,
@@ -113,12 +119,7 @@ class LocalCommunicator(Communicator):
         label: str | None = None,
     ) -> Handle:
         """``output`` receives ``shard`` (the only one)."""
-
-        def copy() -> None:
-            if output.data_ptr() != shard.data_ptr():
-                output.view(-1).copy_(shard.view(-1))
-
-        return self._local("all_gather", purpose, output, copy, on_done, label)
+        return self._local("all_gather", purpose, output, _copy(shard, output), on_done, label)
 
     def broadcast(
         self, tensor: torch.Tensor, *, src: int = 0, purpose: str, async_op: bool = False
@@ -152,12 +153,7 @@ class LocalCommunicator(Communicator):
                 f"all_to_all over one rank: output {tuple(output.shape)} must have the "
                 f"shape of input {tuple(input.shape)}"
             )
-
-        def copy() -> None:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-
-        return self._local("all_to_all", purpose, input, copy, on_done, label)
+        return self._local("all_to_all", purpose, input, _copy(input, output), on_done, label)
 
     def exchange(self, ops: Sequence[P2POp], *, async_op: bool = False) -> Handle:
         """There is no peer in a group of one rank: any send or receive is refused."""
