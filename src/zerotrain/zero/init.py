@@ -515,16 +515,17 @@ def _random_inputs(recipe: Recipe, found: dict[int, torch.Tensor]) -> None:
                 found.setdefault(id(value.state), value.state)
 
 
-def replaying(values: object | None) -> contextlib.AbstractContextManager[object]:
-    """Around computing parameter values from ``values`` (``Init``'s recipes; None: an
-    ordinary model, nothing to do): replaying allocates and frees tensors of a few MiB, which
-    are mapped individually meanwhile so that they leave nothing behind in the C heap."""
-    return contextlib.nullcontext() if values is None else map_large_allocations()
+def replaying(values: object | None) -> LargeAllocationMapping | None:
+    """A hold on mapping large allocations individually for as long as parameter values
+    computed from ``values`` (``Init``'s recipes) are in use, or None for an ordinary model
+    (``values`` None): replaying allocates and frees tensors of a few MiB, which would
+    otherwise stay behind in the C heap. Release it (``with`` or ``release()``)."""
+    return None if values is None else map_large_allocations()
 
 
 def materialize(model: nn.Module, values: DeferredValues) -> None:
     """Give every parameter of a model built by ``Init`` its full value (for stages 0-2)."""
-    with torch.no_grad(), replaying(values):
+    with torch.no_grad(), replaying(values) or contextlib.nullcontext():
         for param in model.parameters():
             if param.is_meta:
                 replace_storage(param, values(param))

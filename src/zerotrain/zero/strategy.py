@@ -28,6 +28,7 @@ from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
+from zerotrain.utils.memory import LargeAllocationMapping
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
@@ -99,14 +100,19 @@ class ZeroStrategy:
             # only competes with it; waiting for each as it is launched is faster there.
             reduce = dataclasses.replace(reduce, overlap=comm.device.type == "cuda")
         self.gatherer: ParamGatherer | None = None
+        self._mapping: LargeAllocationMapping | None = None
         host_master = offload is not None and offload.policy.optimizer != "none"
         if offload is not None:
             self._reserve_offload(offload, trainable, stage3)
         if zero.shard_parameters:
             invariant(stage3 is not None, "stage 3 needs the model")
             assert stage3 is not None
-            # A model built by zero.Init gets its values here, unit by unit.
-            with replaying(stage3.values):
+            # A model built by zero.Init gets its values here, unit by unit. Such a model
+            # is one that does not fit whole: large allocations stay mapped individually
+            # (see utils.memory) while it trains, not only while it is built, so that the
+            # unit buffers gathered and freed every step leave nothing in the C heap.
+            self._mapping = replaying(stage3.values)
+            try:
                 self.units, self.pools, modules = build_module_units(
                     stage3.model,
                     trainable,
@@ -119,6 +125,10 @@ class ZeroStrategy:
                     offload,  # where each unit's states live (None: in memory)
                     host_master,
                 )
+            except BaseException:
+                if self._mapping is not None:
+                    self._mapping.release()
+                raise
             self.gatherer = ParamGatherer(self.units, modules, stage3.model, comm, stage3.policy)
             if offload is not None:
                 self.gatherer.read_ahead = offload.param_read_ahead
@@ -629,3 +639,6 @@ class ZeroStrategy:
                 unit.release(self._run_now)
         if self.offload is not None:
             self.offload.close()
+        if self._mapping is not None:
+            self._mapping.release()
+            self._mapping = None
