@@ -360,7 +360,12 @@ class ShmPairs:
                 segment = untracked_segment(name, False, 0)
             except (FileNotFoundError, ValueError):  # not created, or not yet sized
                 return None
-            invariant(segment.size >= size, "p2p shared-memory segment smaller than expected")
+            if segment.size < size:
+                # Seen mid-creation (tmpfs showed a segment smaller than its final size to
+                # a 4-rank ring once): not ready yet, like a missing one. A segment that
+                # never grows is reported as a stalled peer after the timeout.
+                segment.close()
+                return None
             channel = PairChannel(segment, 1, self.settings)
             _unlink(name)
         self._channels[peer] = channel
