@@ -244,10 +244,13 @@ def initialize(
         check_device_supports(precision.compute, env.device)
     zero = ZeroPolicy.for_stage(policies.training.stage)
     _check_same_model(world, model)  # one pipeline stage (pipe=1 for now): every rank
+    # The ranks that start from the same values: every ZeRO replica and, while the tensor
+    # axis replicates compute, every rank of a tensor group.
+    replicas = [comm, *([groups.tensor] if groups.tensor.world_size > 1 else [])]
     values = deferred_values(model)
     if values is not None:
         # zero.Init recorded each rank's own random draws: compute rank 0's values on all.
-        values.share_random_state([comm, groups.tensor])
+        values.share_random_state(replicas)
     if values is not None and not zero.shard_parameters:
         materialize(model, values)  # built by zero.Init, trained at a stage that keeps it whole
         values = None
@@ -263,12 +266,9 @@ def initialize(
     with torch.no_grad():
         # Parameters from zero.Init need no broadcast: every rank replays rank 0's recipe.
         params = [p.data for p in model.parameters() if not p.is_meta]
-        # Every ZeRO replica, and (while the tensor axis replicates compute) every rank of a
-        # tensor group, starts from the same values.
         state = params + list(model.buffers())
-        broadcast_tensors(comm, state, _INIT_BUCKET_NUMEL, src=0)
-        if groups.tensor.world_size > 1:
-            broadcast_tensors(groups.tensor, state, _INIT_BUCKET_NUMEL, src=0)
+        for replica in replicas:
+            broadcast_tensors(replica, state, _INIT_BUCKET_NUMEL, src=0)
 
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator must be read only once
