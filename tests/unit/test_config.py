@@ -491,7 +491,109 @@ def test_grid_sizes_come_from_the_config_and_above_one_are_refused_by_name():
     assert "sequence_parallel_size=2: sequence parallelism" in found
     assert "tensor_parallel (size 2)" in found
     assert "pipeline" in found
-    with pytest.raises(ValueError, match=r"pipeline.stages=0: must be an integer >= 1"):
-        pipeline_stages(load_config({"train_batch_size": 2, "pipeline": {"stages": 0}}))
+    assert only_problem({"train_batch_size": 2, "pipeline": {"stages": 0}}) == (
+        'pipeline.stages: got 0; allowed: a whole number >= 1, or "auto" (the PipelineModule\'s '
+        "count)"
+    )
+    assert "got 'two'" in only_problem({"train_batch_size": 2, "pipeline": {"stages": "two"}})
+    assert "got True" in only_problem({"train_batch_size": 2, "pipeline": {"stages": True}})
+    assert pipeline_stages(load_config({"train_batch_size": 2, "pipeline": {"stages": 2.0}})) == 2
     with pytest.raises(ConfigError, match="sequence_parallel_size"):
         load_config({"train_batch_size": 2, "sequence_parallel_size": 0})
+
+
+# -- pipeline -------------------------------------------------------------------------------
+
+
+def test_pipeline_section_defaults_and_good_values():
+    from zerotrain.config.features import pipeline_stages
+    from zerotrain.config.policies import PipelinePolicy
+
+    default = load_config({"train_batch_size": 8, "pipeline": {}})
+    assert pipeline_stages(default) == 1  # "auto": the PipelineModule decides
+    assert default.pipeline.stages == "auto"
+    assert to_policies(default, 1).pipeline == PipelinePolicy()
+    assert to_policies(load_config({"train_batch_size": 8}), 1).pipeline == PipelinePolicy()
+
+    cfg = load_config(
+        {
+            "train_batch_size": 8,
+            "pipeline": {
+                "stages": 4,
+                "partition": "type:Block",
+                "seed_layers": True,
+                "activation_checkpoint_interval": 2,
+                "schedule": "interleaved",
+                "virtual_stages": 2,
+                "grad_reduce": "per_microbatch",
+                "reshard_after_forward": False,
+            },
+        }
+    )
+    assert pipeline_stages(cfg) == 4
+    assert to_policies(cfg, 2).pipeline == PipelinePolicy(
+        stages=4,
+        partition_method="type:Block",
+        seed_layers=True,
+        activation_checkpoint_interval=2,
+        schedule="interleaved",
+        virtual_stages=2,
+        grad_reduce="per_microbatch",
+        reshard_after_forward=False,
+    )
+
+
+def test_pipeline_best_partition_means_parameters_and_auto_stages_stay_auto():
+    cfg = load_config({"train_batch_size": 8, "pipeline": {"stages": "auto", "partition": "best"}})
+    policy = to_policies(cfg, 1).pipeline
+    assert (policy.stages, policy.partition_method) == (None, "parameters")
+    assert not any("pipeline.stages" in note for note in cfg.auto_notes)
+    assert (
+        to_policies(
+            load_config({"train_batch_size": 8, "pipeline": {"partition": "Uniform"}}), 1
+        ).pipeline.partition_method
+        == "uniform"
+    )
+
+
+def test_pipeline_deepspeed_partitioning_flags_are_accepted_and_noted():
+    cfg = load_config(
+        {"train_batch_size": 8, "pipeline": {"pipe_partitioned": False, "grad_partitioned": True}}
+    )
+    notes = "\n".join(inert_keys(cfg))
+    assert "pipeline.pipe_partitioned" in notes
+    assert "pipeline.grad_partitioned" in notes
+
+
+def test_pipeline_unknown_key_suggests_closest():
+    message = only_problem({"train_batch_size": 8, "pipeline": {"virtual_stage": 2}})
+    assert message.startswith("pipeline.virtual_stage:")
+    assert "did you mean 'virtual_stages'?" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("schedule", "1F1B-interleaved", ("'1f1b'", "'gpipe'", "'interleaved'", "'zb-h1'")),
+        ("grad_reduce", "per_step", ("'per_microbatch'", "'end_of_step'")),
+        ("partition", "profile", ("parameters", "uniform", "type:REGEX", "best")),
+    ],
+)
+def test_pipeline_wrong_choice_lists_the_allowed_values(key, value, allowed):
+    message = only_problem({"train_batch_size": 8, "pipeline": {key: value}})
+    assert message.startswith(f"pipeline.{key}:")
+    assert repr(value) in message
+    for choice in allowed:
+        assert choice in message
+
+
+def test_pipeline_virtual_stages_need_the_interleaved_schedule():
+    message = only_problem({"train_batch_size": 8, "pipeline": {"virtual_stages": 2}})
+    assert message.startswith("pipeline")
+    assert 'needs schedule "interleaved"' in message
+    assert "virtual_stages >= 2" in only_problem(
+        {"train_batch_size": 8, "pipeline": {"schedule": "interleaved"}}
+    )
+    assert "invalid regex" in only_problem(
+        {"train_batch_size": 8, "pipeline": {"partition": "type:("}}
+    )

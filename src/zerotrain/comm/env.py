@@ -151,3 +151,12 @@ def init_distributed(timeout: datetime.timedelta | float | None = None) -> DistE
     env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout)
     log.info("process group: %d rank(s), backend %s, device %s", env.world_size, backend, device)
     return env
+
+
+def current_rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process in the default process group, or ``(0, 1)``
+    when there is none, so that code which places work by rank (a pipeline stage building
+    its layers) runs unchanged in one process without a group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

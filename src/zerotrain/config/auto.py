@@ -6,7 +6,7 @@
 * ``scheduler.params.warmup_max_lr``: the optimizer's learning rate;
 * any other key that has a default: the default (logged, so the choice is visible);
 * except keys where ``"auto"`` is a value of its own (``activation_checkpointing.block_types``:
-  the repeated blocks), left as they are.
+  the repeated blocks; ``pipeline.stages``: the PipelineModule's), left as they are.
 
 Where nothing can be inferred (the learning rate, step counts, the clipping threshold) the
 loader says that the value must be filled in, instead of training with a guess.
@@ -38,7 +38,7 @@ _MUST_FILL: Mapping[tuple[str, ...], str] = MappingProxyType(
     }
 )
 _MAX_LR = ("scheduler", "params", "warmup_max_lr")
-_AUTO_IS_A_VALUE = {("activation_checkpointing", "block_types")}
+_AUTO_IS_A_VALUE = {("activation_checkpointing", "block_types"), ("pipeline", "stages")}
 
 
 @dataclass(frozen=True, slots=True)

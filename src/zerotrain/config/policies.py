@@ -218,6 +218,29 @@ class OffloadPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelinePolicy:
+    """The ``pipeline`` section, resolved (the defaults when the config has none).
+
+    ``stages``: pipeline ranks, None for ``"auto"`` (the PipelineModule's count).
+    ``partition_method``: "parameters", "uniform" or "type:REGEX" (DeepSpeed's "best" becomes
+    "parameters"). ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1", with
+    ``virtual_stages`` chunks per rank. ``grad_reduce``: "per_microbatch" or "end_of_step".
+    ``reshard_after_forward`` (stage 3): release a stage's parameters after each
+    micro-batch's forward. DeepSpeed's ``pipe_partitioned`` / ``grad_partitioned`` have no
+    effect and are not carried.
+    """
+
+    stages: int | None = None
+    partition_method: str = "parameters"
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = 0
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    grad_reduce: str = "end_of_step"
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class Policies:
     """Everything ``initialize`` needs from the config."""
 
@@ -229,6 +252,7 @@ class Policies:
     scheduler: SchedulerSpec | None
     activation_checkpointing: ActivationCheckpointingPolicy | None = None
     offload: OffloadPolicy = OffloadPolicy()
+    pipeline: PipelinePolicy = PipelinePolicy()
 
 
 def _spec(kind: str, type_name: str, params: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
@@ -301,6 +325,29 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         scheduler,
         activation_checkpointing_policy(cfg),
         offload_policy(cfg),
+        pipeline_policy(cfg),
+    )
+
+
+def pipeline_policy(cfg: ZeroTrainConfig) -> PipelinePolicy:
+    """The ``pipeline`` section with ``"auto"`` and ``"best"`` resolved."""
+    pipe = cfg.pipeline
+    if pipe is None:
+        return PipelinePolicy()
+    partition = pipe.partition
+    if partition.lower() in ("best", "parameters", "uniform"):
+        partition = "parameters" if partition.lower() == "best" else partition.lower()
+    else:  # "type:REGEX": the prefix is case-insensitive, the regex is kept as written
+        partition = "type:" + partition[len("type:") :]
+    return PipelinePolicy(
+        stages=None if pipe.stages == "auto" else pipe.stages,
+        partition_method=partition,
+        seed_layers=pipe.seed_layers,
+        activation_checkpoint_interval=pipe.activation_checkpoint_interval,
+        schedule=pipe.schedule,
+        virtual_stages=pipe.virtual_stages,
+        grad_reduce=pipe.grad_reduce,
+        reshard_after_forward=pipe.reshard_after_forward,
     )
 
 

@@ -7,6 +7,7 @@ enabled feature is usable and says so clearly when it is not.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
@@ -244,6 +245,79 @@ class CheckpointConfig(Section):
     parallel_write: dict[str, Any] = Field(default_factory=dict)
 
 
+PARTITION_METHODS = ("parameters", "uniform", "type:REGEX", "best")
+
+
+class PipelineConfig(Section):
+    """``pipeline``: pipeline parallelism over a ``zerotrain.pipe.PipelineModule``.
+
+    DeepSpeed's keys first, then zerotrain's (``schedule`` onwards).
+    """
+
+    # Pipeline ranks; "auto": as many as the PipelineModule has (1 without one).
+    stages: PositiveInt | Literal["auto"] = "auto"
+    # How layers are cut into stages: "parameters" (balance trainable parameters),
+    # "uniform" (balance layer counts) or "type:REGEX" (balance the layers whose class name
+    # matches). "best", DeepSpeed's default spelling, is accepted as "parameters".
+    partition: str = "parameters"
+    # Seed each layer's construction with base_seed + its index (stage-independent values).
+    seed_layers: Bool = False
+    # Checkpoint activations every this many layers (0: no checkpointing).
+    activation_checkpoint_interval: NonNegativeInt = 0
+    # DeepSpeed's partitioning of activations/gradients sent between stages over the
+    # tensor-parallel group: accepted for compatibility, no effect.
+    pipe_partitioned: Bool = True
+    grad_partitioned: Bool = True
+    # zerotrain: the order of micro-batch forwards and backwards.
+    schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1"] = "1f1b"
+    # zerotrain: layer chunks per rank; above 1 needs schedule "interleaved".
+    virtual_stages: PositiveInt = 1
+    # zerotrain: reduce a stage's gradients across data-parallel ranks after each
+    # micro-batch's backward ("per_microbatch", overlapping the schedule) or once at the
+    # end of the step ("end_of_step", fewer and larger reductions).
+    grad_reduce: Literal["per_microbatch", "end_of_step"] = "end_of_step"
+    # zerotrain, ZeRO stage 3: release a stage's parameters after each micro-batch's forward
+    # and gather them again for its backward (less memory), or keep them gathered for the
+    # whole step (fewer all-gathers).
+    reshard_after_forward: Bool = True
+
+    @field_validator("stages", mode="plain")
+    @classmethod
+    def _stages(cls, value: Any) -> int | str:
+        # One message for the int-or-"auto" union instead of one per alternative.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if value == "auto" or (
+            not isinstance(value, bool) and isinstance(value, int) and value >= 1
+        ):
+            return value
+        raise ValueError('allowed: a whole number >= 1, or "auto" (the PipelineModule\'s count)')
+
+    @field_validator("partition")
+    @classmethod
+    def _known_partition(cls, value: str) -> str:
+        lowered = value.lower()
+        if lowered in ("parameters", "uniform", "best"):
+            return value
+        if lowered.startswith("type:") and value[len("type:") :]:
+            try:
+                re.compile(value[len("type:") :])
+            except re.error as err:
+                raise ValueError(f"invalid regex after 'type:' ({err})") from None
+            return value
+        raise ValueError(f"allowed: {', '.join(PARTITION_METHODS)}")
+
+    @model_validator(mode="after")
+    def _virtual_needs_interleaving(self) -> PipelineConfig:
+        if (self.virtual_stages > 1) != (self.schedule == "interleaved"):
+            raise ValueError(
+                f"schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: "
+                'virtual_stages above 1 needs schedule "interleaved", and "interleaved" '
+                "needs virtual_stages >= 2"
+            )
+        return self
+
+
 class ZeroTrainConfig(Section):
     """The whole config. Batch sizes are resolved against the world size by ``batch.py``."""
 
@@ -285,9 +359,10 @@ class ZeroTrainConfig(Section):
     # Ulysses sequence-parallel degree (DeepSpeed's key); the grid's sequence axis.
     sequence_parallel_size: PositiveInt = 1
 
+    pipeline: PipelineConfig | None = None
+
     # Features zerotrain does not implement (yet): accepted, reported when enabled.
     amp: LooseSection | None = None
-    pipeline: LooseSection | None = None
     tensor_parallel: LooseSection | None = None
     sparse_attention: LooseSection | None = None
     curriculum_learning: LooseSection | None = None

@@ -2,6 +2,8 @@
 
 Plain PyTorch (nothing zerotrain-specific), in the style of nanoGPT: pre-norm blocks with
 causal self-attention, an MLP, and an output head tied to the token embedding.
+``gpt_pipeline_layers`` writes the same model as a layer list for ``zerotrain.pipe``'s
+``PipelineModule``, DeepSpeed's pipeline-parallel style.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zerotrain.pipe import LayerSpec, TiedLayerSpec
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,92 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Distinct parameters (a tied weight counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+class GPTEmbedding(nn.Module):
+    """Token plus position embedding, then dropout: the first layer of the pipeline layer list.
+
+    Initialised as ``GPT`` initialises ``wte`` / ``wpe``. The last layer reuses ``token``'s
+    weight as the output head (``gpt_tied_head``).
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = cfg.block_size
+        self.token = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.position = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.apply(GPT._init_weights)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
+        return self.drop(self.token(idx) + self.position(torch.arange(t, device=idx.device)))
+
+
+class GPTBlock(Block):
+    """A ``Block`` initialised as ``GPT`` initialises its blocks (normal(0.02), residual
+    projections scaled by ``1/sqrt(2 * n_layer)``), each block on its own so that a
+    pipeline stage can build it without the others."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.apply(GPT._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+
+class GPTHead(nn.Module):
+    """Untied output head (``tie_weights=False``), initialised as ``GPT.lm_head``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(GPT._init_weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def gpt_tied_head(embedding: GPTEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """Logits ``(batch, time, vocab)`` through the token embedding's weight (the tied head)."""
+    return F.linear(x, embedding.token.weight)
+
+
+def gpt_pipeline_layers(cfg: GPTConfig) -> list[LayerSpec]:
+    """``GPT(cfg)`` as a pipeline layer list: embedding, ``n_layer`` blocks, final norm, head.
+
+    With ``tie_weights`` the first and last entries are ``TiedLayerSpec("embed", ...)``: each
+    stage holding one builds a ``GPTEmbedding`` and the head reads its ``token.weight``. Each
+    layer initialises itself as ``GPT`` does, so with ``seed_layers`` the values do not
+    depend on the number of stages. Token ids go in, logits come out (``gpt_loss_fn``).
+    """
+    layers: list[LayerSpec] = [
+        TiedLayerSpec("embed", GPTEmbedding, cfg, tied_weight_attr=["token.weight"])
+        if cfg.tie_weights
+        else LayerSpec(GPTEmbedding, cfg)
+    ]
+    layers += [LayerSpec(GPTBlock, cfg) for _ in range(cfg.n_layer)]
+    layers.append(LayerSpec(nn.LayerNorm, cfg.n_embd, bias=cfg.bias))
+    layers.append(
+        TiedLayerSpec(
+            "embed",
+            GPTEmbedding,
+            cfg,
+            forward_fn=gpt_tied_head,
+            tied_weight_attr=["token.weight"],
+        )
+        if cfg.tie_weights
+        else LayerSpec(GPTHead, cfg)
+    )
+    return layers
+
+
+def gpt_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (batch, time, vocab) against ``targets`` (batch, time)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
