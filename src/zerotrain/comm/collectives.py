@@ -594,6 +594,25 @@ class Communicator:
         """
         return self._p2p.exchange(ops, async_op=async_op)
 
+    def post(self, ops: Sequence[P2POp]) -> Handle:
+        """Issue tagged point-to-point sends and receives and return at once: a send never
+        waits for its receiver, and a message is matched by (peer, ``P2POp.tag``), so the
+        order in which two ranks post their messages to each other does not matter.
+
+        For pipeline schedules, whose message order is checked ahead of time on the
+        instruction lists (``parallel/pipeline/simulate.py``): there is no header check
+        and no shared-memory channel (both rendezvous with the peer, which would make a
+        send wait for its receive), so messages travel over the backend (gloo: TCP, also
+        on one host). ``wait()`` a receive's handle before reading it, a send's before
+        changing or freeing its tensor. Counted in ``stats`` like :meth:`exchange`.
+
+        Raises:
+            ValueError: as for :meth:`exchange`.
+            CollectiveError: the backend refused an op; on ``wait()``, a peer that never
+                posted the matching op within the timeout.
+        """
+        return self._p2p.post(ops)
+
     def _global(self, rank: int) -> int:
         """The default-group rank of ``rank`` in this communicator's group."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

@@ -164,5 +164,9 @@ class LocalCommunicator(Communicator):
             )
         return Handle(None, lambda: "empty exchange")
 
+    def post(self, ops: Sequence[P2POp]) -> Handle:
+        """As :meth:`exchange`: nothing to post to in a group of one rank."""
+        return self.exchange(ops)
+
     def barrier(self) -> None:
         """Nobody else to wait for."""

@@ -66,6 +66,9 @@ class P2POp:
         peer: the other rank, as a rank in the communicator's group.
         purpose: why it moves (``"activations"``, ``"gradients"``, ...), as for collectives.
         label: what it belongs to (e.g. ``"microbatch 3"``), for errors and the comms logger.
+        tag: matches a send with a receive in :meth:`PeerToPeer.post` (messages between
+            one pair with different tags may be received in any order); ignored by
+            :meth:`PeerToPeer.exchange`, which matches in issue order.
     """
 
     kind: Literal["send", "recv"]
@@ -73,16 +76,21 @@ class P2POp:
     peer: int
     purpose: str
     label: str | None = None
+    tag: int = 0
 
     @staticmethod
-    def send(tensor: torch.Tensor, dst: int, *, purpose: str, label: str | None = None) -> P2POp:
+    def send(
+        tensor: torch.Tensor, dst: int, *, purpose: str, label: str | None = None, tag: int = 0
+    ) -> P2POp:
         """Send ``tensor`` to group rank ``dst``."""
-        return P2POp("send", tensor, dst, purpose, label)
+        return P2POp("send", tensor, dst, purpose, label, tag)
 
     @staticmethod
-    def recv(tensor: torch.Tensor, src: int, *, purpose: str, label: str | None = None) -> P2POp:
+    def recv(
+        tensor: torch.Tensor, src: int, *, purpose: str, label: str | None = None, tag: int = 0
+    ) -> P2POp:
         """Receive into ``tensor`` from group rank ``src``."""
-        return P2POp("recv", tensor, src, purpose, label)
+        return P2POp("recv", tensor, src, purpose, label, tag)
 
     def entry(self) -> str:
         """What this op carries, as both sides of the pair describe it."""
@@ -267,6 +275,26 @@ class PeerToPeer:
         if not async_op:
             handle.wait()
         return handle
+
+    def post(self, ops: Sequence[P2POp]) -> Handle:
+        """Issue ``ops`` without waiting for anything; see :meth:`Communicator.post`."""
+        check_ops(ops, self.rank, self.world_size)
+        ops = list(ops)
+
+        def describe() -> str:
+            return self._describe(ops)
+
+        works: list[dist.Work] = []
+        for op in ops:
+            self.stats.record(op.kind, op.purpose, op.tensor.numel() * op.tensor.element_size())
+            fn = dist.isend if op.kind == "send" else dist.irecv
+            try:
+                work = fn(op.tensor, self._to_global(op.peer), self.group, op.tag)
+            except Exception as exc:
+                raise CollectiveError(failure_message(describe(), exc, P2P_HINT)) from exc
+            invariant(work is not None, "isend/irecv returned no work for a group member")
+            works.append(work)  # type: ignore[arg-type]
+        return Handle(works, describe, None, self.timeout, hint=P2P_HINT)
 
     def _header_work(self, ops: Sequence[P2POp], peer: int) -> PairWork:
         """The header swap with ``peer`` through its channel, raising on a mismatch."""

@@ -148,9 +148,6 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         section = getattr(cfg, name)
         if section is not None and _loose_enabled(name, section):
             found.append(f"{name}: {name.replace('_', ' ')}")
-    if cfg.pipeline is not None:
-        # PipelineModule exists; the schedules' executor is not wired into initialize yet.
-        found.append("pipeline: pipeline parallelism through initialize")
     tp_size = tensor_parallel_size(cfg)
     if tp_size > 1:
         found.append(f"tensor_parallel (size {tp_size}): tensor parallelism")

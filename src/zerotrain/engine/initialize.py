@@ -34,9 +34,17 @@ from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import Engine
 from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
+from zerotrain.engine.pipeline_engine import PipelineEngine
+from zerotrain.engine.pipeline_setup import (
+    isolated_prefixes,
+    pipeline_schedule,
+    pipeline_topology,
+    tied_groups,
+)
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
 from zerotrain.offload.manager import Offload
 from zerotrain.parallel.groups import ProcessGroups
+from zerotrain.parallel.pipeline.module import PipelineModule
 from zerotrain.parallel.topology import Topology
 from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
@@ -114,8 +122,21 @@ def _check_same_config(comm: Communicator, cfg: ZeroTrainConfig) -> None:
         )
 
 
-def _resolve_topology(given: Topology | None, cfg: ZeroTrainConfig, world_size: int) -> Topology:
-    """The grid: ``given``, or the config's sizes with data parallelism over the rest."""
+def _resolve_topology(
+    given: Topology | None, cfg: ZeroTrainConfig, world_size: int, model: nn.Module
+) -> Topology:
+    """The grid: a PipelineModule's own, ``given``, or the config's sizes with data
+    parallelism over the rest."""
+    if isinstance(model, PipelineModule):
+        stages = cfg.pipeline.stages if cfg.pipeline is not None else None
+        return pipeline_topology(
+            model, given, stages if isinstance(stages, int) else None, world_size
+        )
+    if pipeline_stages(cfg) > 1 or (given is not None and given.pipe > 1):
+        raise ValueError(
+            "pipeline parallelism (pipeline.stages or topology pipe > 1) needs the model as a "
+            "zerotrain.pipe.PipelineModule: its layers are split into stages when it is built"
+        )
     if given is None:
         # Config degrees above 1 are refused by _refuse_unimplemented until their issues land.
         return Topology.from_world(
@@ -131,10 +152,10 @@ def _resolve_topology(given: Topology | None, cfg: ZeroTrainConfig, world_size: 
             f"topology {given} has {given.world_size} ranks, but the job has {world_size} "
             "processes: pipe x data x sequence x tensor must equal the number of processes"
         )
-    if given.pipe > 1 or given.sequence > 1:
+    if given.sequence > 1:
         raise NotImplementedError(
-            f"topology {given}: pipeline (pipe > 1) and sequence parallelism (sequence > 1) "
-            "are not implemented yet; use pipe=1 and sequence=1"
+            f"topology {given}: sequence parallelism (sequence > 1) is not implemented yet; "
+            "use sequence=1"
         )
     return given
 
@@ -229,7 +250,7 @@ def initialize(
     env = init_distributed()
     world = Communicator(timeout=env.timeout, device=env.device)
     _check_same_config(world, cfg)
-    topology = _resolve_topology(topology, cfg, env.world_size)
+    topology = _resolve_topology(topology, cfg, env.world_size, model)
     groups = ProcessGroups.build(topology, world)
     comm = groups.zero  # ZeRO shards and reduces over data x sequence
     policies = to_policies(cfg, groups.data.world_size)
@@ -243,7 +264,10 @@ def initialize(
     if precision.compute is not None:
         check_device_supports(precision.compute, env.device)
     zero = ZeroPolicy.for_stage(policies.training.stage)
-    _check_same_model(world, model)  # one pipeline stage (pipe=1 for now): every rank
+    pipe_module = model if isinstance(model, PipelineModule) else None
+    pipelined = pipe_module is not None
+    # Every rank of a stage must hold the same layers (pipeline stages differ).
+    _check_same_model(comm if pipelined else world, model)
     # The ranks that start from the same values: every ZeRO replica and, while the tensor
     # axis replicates compute, every rank of a tensor group.
     replicas = [comm, *([groups.tensor] if groups.tensor.world_size > 1 else [])]
@@ -269,6 +293,8 @@ def initialize(
         state = params + list(model.buffers())
         for replica in replicas:
             broadcast_tensors(replica, state, _INIT_BUCKET_NUMEL, src=0)
+    # Copies of a tied module on several stages start from the lowest stage's values.
+    ties = tied_groups(world, pipe_module) if pipe_module is not None else []
 
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator must be read only once
@@ -305,6 +331,7 @@ def initialize(
             # Pipeline stages hold different parameters; the tensor axis replicates them
             # until tensor parallelism shards some.
             distinct_axes=[groups.pipe],
+            isolate=isolated_prefixes(pipe_module) if pipe_module is not None else (),
         )
     except BaseException:
         if offload is not None:
@@ -324,7 +351,7 @@ def initialize(
             drop_last=policies.training.drop_last,
             pin_memory=env.device.type == "cuda",
         )
-    engine = Engine(
+    engine = (PipelineEngine if pipelined else Engine)(
         model,
         env,
         comm,
@@ -338,6 +365,12 @@ def initialize(
         groups=groups,
     )
     engine.training_dataloader = loader
+    if isinstance(engine, PipelineEngine) and isinstance(model, PipelineModule):
+        schedule = pipeline_schedule(
+            policies.pipeline, model, policies.training.batch.gradient_accumulation_steps
+        )
+        engine.setup_pipeline(policies.pipeline, schedule, ties)
+        log.info("pipeline: %s schedule; partition:\n%s", schedule.name, model.describe_partition())
     engine.checkpointed_blocks = wrapped_blocks
     engine.activation_checkpointing = checkpoint_context
     batch = policies.training.batch

@@ -6,6 +6,10 @@ transformer. Everything else (embeddings, final norm, output head, loose paramet
 the root unit, which is gathered for the whole forward and backward pass. A list of module
 classes overrides the choice: every outermost module of those classes is a unit.
 
+A model may choose its units itself with a method ``zero_unit_modules()`` returning
+``(path, module)`` pairs (a pipeline stage names each of its layers and each tied module);
+``stage3_unit_classes`` still takes precedence.
+
 A parameter belongs to a block only if every name it has lies inside that block; a
 parameter shared with anything outside (an embedding tied to the output head, a table
 passed into every layer) goes to the root unit, which is gathered whenever any block runs.
@@ -110,7 +114,11 @@ def plan_module_units(
             f"'{type(model).__name__}': the whole model is the root unit already; name the "
             "classes of its repeated blocks"
         )
-    blocks = find_blocks(model, classes)
+    declared = getattr(model, "zero_unit_modules", None)
+    if classes is None and callable(declared):
+        blocks = list(declared())
+    else:
+        blocks = find_blocks(model, classes)
     if classes is not None and not blocks:
         present = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(

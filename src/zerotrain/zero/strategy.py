@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +74,8 @@ class ZeroStrategy:
         distinct_axes: communicators across which the ranks hold gradients of *different*
             parameters (pipeline stages; tensor-parallel shards): the global gradient norm,
             and with it clipping and the fp16 overflow decision, sums over them too.
+        isolate: stages 0-2: name prefixes whose parameters form a unit of their own each
+            (see ``build_units``); stage 3 takes its units from the model.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class ZeroStrategy:
         precision: PrecisionPolicy | None = None,
         offload: Offload | None = None,
         distinct_axes: Sequence[Communicator] = (),
+        isolate: Sequence[str] = (),
     ) -> None:
         self.comm = comm
         self.distinct_axes = tuple(a for a in distinct_axes if a.world_size > 1)
@@ -142,6 +145,7 @@ class ZeroStrategy:
                 self.precision,
                 offload,
                 host_master,
+                isolate,
             )
             # Whole parameters: GatheredParameters(modifier_rank=...) broadcasts over comm.
             register(self._unit_params(), Home(comm))
@@ -166,6 +170,9 @@ class ZeroStrategy:
         self._outside_changes: dict[int, torch.Tensor] = {}
         self._told_changed: set[int] = set()
         self._told_unused_swapped = False
+        # Units whose gradients another rank of a distinct axis also holds (a pipeline
+        # stage's copy of a tied embedding): left out of the global norm, counted once.
+        self._norm_excluded: set[int] = set()
         self._trainable_ids = torch.tensor(
             [
                 pid
@@ -228,6 +235,21 @@ class ZeroStrategy:
         No effect at stages 0-2, whose parameters are never sharded."""
         if self.gatherer is not None:
             self.gatherer.reshard_after_backward = reshard
+
+    def keep_gathered(self) -> None:
+        """Stage 3: gather every unit now and keep it gathered (forwards and backwards do
+        not release it) until :meth:`release_gathered`: one gather per unit for a whole
+        pipeline step instead of two per micro-batch. No effect at stages 0-2."""
+        if self.gatherer is not None:
+            for u in range(len(self.units)):
+                self.gatherer.pin(u)
+
+    def release_gathered(self) -> None:
+        """End :meth:`keep_gathered`: every unit is released."""
+        if self.gatherer is not None:
+            for u in range(len(self.units)):
+                self.gatherer.unpin(u)
+            self.gatherer.free_all()
 
     def begin_backward(self, boundary: bool) -> None:
         """Before autograd runs for one micro-step (``boundary``: its backward closes the
@@ -326,8 +348,23 @@ class ZeroStrategy:
         as they were written."""
         for unit in self.units:
             unit.check_reduced()
-        squares = [u.grad_squared_norm() for u in self.units]
+        squares = [
+            u.grad_squared_norm() for k, u in enumerate(self.units) if k not in self._norm_excluded
+        ]
         return norm_from_squares(squares, self.global_norm_reducer())
+
+    def units_under(self, prefix: str) -> list[int]:
+        """Indices of the units whose parameters are all named under ``prefix``."""
+        return [
+            k
+            for k, unit in enumerate(self.units)
+            if all(p.fqn.startswith(prefix) for p in unit.buffer.layout.params)
+        ]
+
+    def exclude_from_norm(self, units: Iterable[int]) -> None:
+        """Leave ``units`` out of :meth:`grad_norm` on this rank: another rank along a
+        distinct axis holds the same gradients and counts them."""
+        self._norm_excluded.update(units)
 
     def scale_grads(self, coef: torch.Tensor | None) -> None:
         """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
@@ -354,6 +391,21 @@ class ZeroStrategy:
             self.gatherer.reset_fingerprint()
             flags = torch.cat([flags, prints.to(flags.device), -prints.to(flags.device)])
         return flags, self.comm.all_reduce(flags, purpose="control", op="max", async_op=True)
+
+    def share_used(self, units: Sequence[int], comm: Communicator) -> None:
+        """After the boundary backward: the parameters of ``units`` count as used if they
+        got a gradient on any rank of ``comm`` (the stages holding copies of a tied module,
+        whose gradients are summed into each copy; ``units`` laid out alike on all)."""
+        invariant(self._used is not None, "share_used() before a boundary backward pass")
+        flags, handle = self._used  # type: ignore[misc]
+        handle.wait()
+        ids = torch.tensor(
+            [pid for u in units for pid in self.units[u].param_ids], device=flags.device
+        )
+        if ids.numel():
+            mine = flags[ids]
+            comm.all_reduce(mine, purpose="control", op="max")
+            flags[ids] = mine
 
     def _check_same_gathers(self, tail: torch.Tensor) -> None:
         """Raise on every rank if the ranks gathered different units in this window."""

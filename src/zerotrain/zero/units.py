@@ -153,12 +153,24 @@ def build_units(
     precision: PrecisionPolicy | None = None,
     placement: StatePlacement | None = None,
     master_on_host: bool = False,
+    isolate: Sequence[str] = (),
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
     """Stages 0-2: pack ``trainable`` into buckets, returned in the order their gradients
-    are reduced, with the staging pools they share (stage 2; one per dtype)."""
+    are reduced, with the staging pools they share (stage 2; one per dtype).
+
+    ``isolate``: name prefixes (module paths ending in "."); the parameters under each form
+    a unit of their own, reduced last, whatever the bucket size. Two models whose isolated
+    modules are alike then lay those parameters out identically in one unit each, so their
+    reduced gradient slices line up element for element (pipeline stages holding copies of
+    a tied embedding sum them slice by slice)."""
     precision = precision or PrecisionPolicy()
+    isolated: dict[str, list[TrainableParam]] = {prefix: [] for prefix in isolate}
     by_dtype: dict[tuple[torch.dtype, torch.device], list[TrainableParam]] = {}
     for entry in trainable:
+        prefix = next((p for p in isolate if entry.fqn.startswith(p)), None)
+        if prefix is not None:
+            isolated[prefix].append(entry)
+            continue
         dtype = precision.compute or entry.param.dtype
         by_dtype.setdefault((dtype, entry.param.device), []).append(entry)
 
@@ -177,6 +189,9 @@ def build_units(
     # A bucket is complete when its earliest-registered parameter gets its gradient (the last
     # one backward reaches); reduce buckets in that order so none waits behind a later one.
     buckets.sort(key=lambda b: -min(e.position for e in b))
+    for prefix in sorted(isolated):
+        if isolated[prefix]:
+            buckets.append(_group_major(isolated[prefix]))
     plans = [
         UnitPlan(
             [(e.fqn, e.param) for e in bucket],

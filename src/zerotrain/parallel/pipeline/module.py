@@ -228,7 +228,16 @@ class PipelineModule(nn.Module):
         if key is None:
             return self.get_submodule(str(idx))(x)
         module, forward_fn = self.tied_modules[key], self._tied_forward[idx]
-        return module(x) if forward_fn is None else forward_fn(module, x)
+        if forward_fn is None:
+            return module(x)
+        # Called through the module, not as forward_fn(module, x), so the module's hooks run:
+        # ZeRO stage 3 gathers the tied parameters in them (an instance attribute shadows
+        # the class's forward for this call).
+        module.forward = partial(forward_fn, module)
+        try:
+            return module(x)
+        finally:
+            del module.forward
 
     def _group_parameters(self, group: list[int]) -> list[nn.Parameter]:
         params: list[nn.Parameter] = []
@@ -240,6 +249,18 @@ class PipelineModule(nn.Module):
         return params
 
     # -- queries ----------------------------------------------------------------------------
+
+    def zero_unit_modules(self) -> list[tuple[str, nn.Module]]:
+        """ZeRO stage 3's units for this stage: each built layer and each tied module (the
+        protocol of ``zero/module_units.py``). Naming the tied modules apart keeps their
+        parameters in units laid out alike on every stage that holds a copy."""
+        units = [
+            (name, module)
+            for name, module in self.named_children()
+            if name != "tied_modules" and any(True for _ in module.parameters())
+        ]
+        units += [(f"tied_modules.{key}", m) for key, m in self.tied_modules.items()]
+        return units
 
     @property
     def num_stages(self) -> int:

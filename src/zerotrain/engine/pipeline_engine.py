@@ -1,0 +1,304 @@
+"""The engine of a pipeline-parallel model: ``train_batch`` and ``eval_batch``.
+
+A :class:`PipelineEngine` is an :class:`Engine` whose model is one pipeline stage (a
+``PipelineModule`` holding this rank's layers) and whose step is a whole batch: the
+schedule's instruction list runs ``gradient_accumulation_steps`` micro-batches through the
+stages (``parallel/pipeline/executor.py``), then the step is the plain engine's (clip,
+overflow skip, optimizer, LR schedule), agreed across stages because the gradient norm sums
+over the pipe axis.
+
+ZeRO runs inside each stage's data-parallel group. When its gradients are reduced is the
+``pipeline.grad_reduce`` policy:
+
+* ``end_of_step`` (default): every backward accumulates locally; the stage reduces once,
+  at its ``REDUCE_GRAD`` action after its last backward. One reduction per step (the
+  traffic of plain data parallelism); at stages 2-3 each rank holds a full-size gradient of
+  its stage until then.
+* ``per_microbatch``: every micro-batch's backward reduce-scatters (stages 2-3: a sharded
+  gradient only, M times the traffic). Stage 1 keeps whole gradients by definition and
+  reduces once per step either way.
+
+At stage 3, ``pipeline.reshard_after_forward`` true (default) releases each layer's
+gathered parameters after its forward and gathers them again for its backward (least
+memory; two gathers per micro-batch); false gathers the stage once per step and keeps it
+gathered through every micro-batch (one gather per step; the stage's full parameters live).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from zerotrain.config.policies import PipelinePolicy
+from zerotrain.engine.engine import Engine
+from zerotrain.parallel.pipeline import messages
+from zerotrain.parallel.pipeline.executor import PipelineExecutor
+from zerotrain.parallel.pipeline.schedule import Action, ActionType, PipelineSchedule
+from zerotrain.parallel.pipeline.ties import TiedGroup, sum_gradient_slices
+
+_BACKWARDS = (ActionType.BACKWARD, ActionType.BACKWARD_INPUT)
+
+
+class PipelineEngine(Engine):
+    """An :class:`Engine` over one pipeline stage; built by :func:`zerotrain.initialize`
+    for a ``PipelineModule``. Train with :meth:`train_batch` (``forward``/``backward``/
+    ``step`` work only with a single stage)."""
+
+    def setup_pipeline(
+        self, pipeline: PipelinePolicy, schedule: PipelineSchedule, ties: list[TiedGroup]
+    ) -> None:
+        """Attach the schedule and tie groups (called once by ``initialize``)."""
+        self.pipeline = pipeline
+        self.schedule = schedule
+        self.ties = ties
+        self.executor = PipelineExecutor(
+            self.module, self.groups.pipe, schedule, getattr(self.module, "loss_fn", None)
+        )
+        mine = schedule.actions[self.groups.pipe.rank]
+        backwards = [a for a in mine if a.kind in _BACKWARDS]
+        self._last_backward = backwards[-1] if backwards else None
+        reduces = [a for a in mine if a.kind is ActionType.REDUCE_GRAD]
+        self._last_reduce = reduces[-1] if reduces else None
+        self._first_local_stage = self.groups.pipe.rank
+        self._data_iterator: Iterator[Any] | None = None
+        for group in ties:
+            if not group.owner:
+                self.strategy.exclude_from_norm(self.strategy.units_under(group.prefix))
+
+    # -- DeepSpeed's pipeline queries ---------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline ranks (stages per pipeline, not counting virtual stages)."""
+        return self.groups.pipe.world_size
+
+    @property
+    def stage_id(self) -> int:
+        """This rank's place in its pipeline."""
+        return self.groups.pipe.rank
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank reads the inputs (it holds stage 0)."""
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank computes the loss (it holds the last stage)."""
+        return self.schedule.stage_to_rank(self.schedule.num_stages - 1) == self.stage_id
+
+    # -- the single-stage path ----------------------------------------------------------------
+
+    def _refuse_split(self, what: str) -> None:
+        if self.num_stages > 1:
+            raise RuntimeError(
+                f"engine.{what}() runs a whole model, but this one is split into "
+                f"{self.num_stages} pipeline stages: call engine.train_batch(data_iter) "
+                "(or eval_batch) instead"
+            )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole model's forward (a single stage only)."""
+        self._refuse_split("forward")
+        return super().forward(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """As :meth:`Engine.backward` (a single stage only)."""
+        self._refuse_split("backward")
+        return super().backward(loss, retain_graph)
+
+    def step(self) -> None:
+        """As :meth:`Engine.step` (a single stage only)."""
+        self._refuse_split("step")
+        super().step()
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def set_dataiterator(self, iterator: Iterable[Any]) -> None:
+        """The iterator ``train_batch()`` reads when called without one (DeepSpeed's name)."""
+        self._data_iterator = iter(iterator)
+
+    def _next_batches(self, data_iter: Iterable[Any] | None, count: int) -> list[Any]:
+        if data_iter is None:
+            if self._data_iterator is None:
+                if self.training_dataloader is None:
+                    raise ValueError(
+                        "train_batch() without data_iter needs training_data passed to "
+                        "initialize, or engine.set_dataiterator(...)"
+                    )
+                self._data_iterator = _repeating(self.training_dataloader)
+            source: Iterator[Any] = self._data_iterator
+        else:
+            source = iter(data_iter)
+        batches = []
+        for m in range(count):
+            try:
+                batch = next(source)
+            except StopIteration:
+                raise ValueError(
+                    f"the data iterator ran out after {m} of the {count} micro-batches of a "
+                    "step (gradient_accumulation_steps)"
+                ) from None
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(
+                    "each micro-batch of a pipeline must be an (inputs, labels) pair, as in "
+                    f"DeepSpeed; got {type(batch).__name__}"
+                )
+            batches.append(batch)
+        return batches
+
+    def _micro_batches(
+        self, data_iter: Iterable[Any] | None
+    ) -> tuple[list[Any] | None, list[Any] | None, list[int]]:
+        """Only the first and last stages read data; every stage learns the shapes'
+        fingerprints (one broadcast from the first stage)."""
+        count = self.policy.batch.gradient_accumulation_steps
+        inputs = labels = None
+        if self.is_first_stage() or self.is_last_stage():
+            batches = self._next_batches(data_iter, count)
+            if self.is_first_stage():
+                inputs = [b[0] for b in batches]
+            if self.is_last_stage():
+                labels = [b[1] for b in batches]
+        codes = torch.zeros(count, dtype=torch.int64, device=self.groups.pipe.device)
+        if inputs is not None:
+            for m, x in enumerate(inputs):
+                codes[m] = messages.signature(messages.as_tensors(x, f"micro-batch {m}'s inputs"))
+        if self.num_stages > 1:
+            self.groups.pipe.broadcast(codes, src=0, purpose="control")
+        return inputs, labels, [int(c) for c in codes.tolist()]
+
+    def train_batch(self, data_iter: Iterable[Any] | None = None) -> torch.Tensor:
+        """Train on one batch: ``gradient_accumulation_steps`` micro-batches through every
+        stage, then one optimizer step. Returns the batch's mean loss (over micro-batches
+        and data-parallel ranks) on every rank.
+
+        Args:
+            data_iter: yields ``(inputs, labels)`` micro-batches; read only on the first
+                stage (inputs) and the last (labels). Default: ``training_data`` given to
+                initialize (repeated), or ``set_dataiterator``.
+        """
+        self.module.train()
+        inputs, labels, signatures = self._micro_batches(data_iter)
+        self.telemetry.before_forward(self)
+        held = self.policy.stage == 3 and not self.pipeline.reshard_after_forward
+        if held:
+            self.strategy.keep_gathered()
+        try:
+            losses = self.executor.run(
+                inputs, labels, signatures, backward=self._backward, reduce_grad=self._reduce
+            )
+        finally:
+            self.strategy.set_requires_gradient_sync(True)
+            self.strategy.set_is_last_backward(None)
+            if held:
+                self.strategy.release_gathered()
+        self._sync_ties()
+        with self.telemetry.phase("step"):
+            self._update()
+        batch = self.policy.batch
+        self.micro_steps += batch.gradient_accumulation_steps
+        self.global_samples += batch.train_batch_size
+        self.global_steps += 1
+        loss = self._batch_loss(losses)
+        self.window_losses.append(loss)
+        self.telemetry.after_step(self, [loss])
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterable[Any]) -> torch.Tensor:
+        """The mean loss of one batch (``gradient_accumulation_steps`` micro-batches) in
+        eval mode, without gradients, returned on every rank."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            inputs, labels, signatures = self._micro_batches(data_iter)
+            losses = self.executor.run(inputs, labels, signatures, backward=None)
+        finally:
+            self.module.train(was_training)
+        return self._batch_loss(losses)
+
+    def _batch_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean loss, averaged over its data-parallel group, on every
+        rank of the pipeline."""
+        value = torch.zeros((), dtype=torch.float32, device=self.groups.pipe.device)
+        if losses:
+            value = torch.stack([losses[m].float() for m in sorted(losses)]).mean()
+            data = self.groups.data
+            if data.world_size > 1:
+                data.all_reduce(value, purpose="control")
+                value /= data.world_size
+        if self.num_stages > 1:
+            last = self.schedule.stage_to_rank(self.schedule.num_stages - 1)
+            self.groups.pipe.broadcast(value, src=last, purpose="control")
+        return value
+
+    # -- the engine's side of the executor ----------------------------------------------------
+
+    def _backward(
+        self,
+        roots: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+        action: Action,
+    ) -> None:
+        """One backward action: the gradient-sync knobs from the policy, loss scaling on the
+        last stage, autograd between the strategy's begin/end."""
+        last = action == self._last_backward
+        if self.pipeline.grad_reduce == "per_microbatch":
+            # Once per micro-batch: at the rank's lowest stage, the last to run backward
+            # for it (interleaved ranks hold several); what higher stages accumulated for
+            # it is reduced then too.
+            sync = action.stage == self._first_local_stage or last
+        else:
+            sync = False  # everything reduces at REDUCE_GRAD
+        final = last and sync
+        strategy = self.strategy
+        strategy.set_requires_gradient_sync(sync)
+        strategy.set_is_last_backward(final)
+        if grads is None:
+            roots = [self._scaled_loss(roots[0])]
+        strategy.begin_backward(final)
+        try:
+            with self.telemetry.phase("backward"), self.activation_checkpointing.active():
+                if roots:
+                    torch.autograd.backward(roots, grads)
+        except BaseException:
+            strategy.abort_backward()
+            raise
+        with self.telemetry.phase("grad_comm_wait"):
+            strategy.end_backward()
+
+    def _scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        divisor = self.policy.loss_divisor
+        if self.loss_scaler is not None:
+            return loss.float() * (self.loss_scale / divisor)
+        return loss / divisor if divisor > 1 else loss
+
+    def _reduce(self, action: Action) -> None:
+        """``REDUCE_GRAD``: with ``end_of_step``, the rank's one reduction of the step (its
+        last such action; an interleaved rank has one per stage it holds)."""
+        if self.pipeline.grad_reduce != "end_of_step" or action != self._last_reduce:
+            return
+        strategy = self.strategy
+        strategy.set_requires_gradient_sync(True)
+        strategy.set_is_last_backward(True)
+        strategy.begin_backward(True)
+        with self.telemetry.phase("grad_comm_wait"):
+            strategy.end_backward()  # launches every unit's reduction (no autograd ran)
+
+    def _sync_ties(self) -> None:
+        """Sum the copies' gradients of each tied module; a tied parameter is used when
+        any stage used it."""
+        if not self.ties:
+            return
+        grads = self.strategy.reduced_grads()
+        units = {group.key: self.strategy.units_under(group.prefix) for group in self.ties}
+        sum_gradient_slices(self.ties, {k: [grads[u] for u in us] for k, us in units.items()})
+        for group in self.ties:
+            self.strategy.share_used(units[group.key], group.comm)
+
+
+def _repeating(loader: Iterable[Any]) -> Iterator[Any]:
+    """``loader`` epoch after epoch."""
+    while True:
+        yield from loader

@@ -1,0 +1,107 @@
+"""What ``initialize`` does differently for a ``PipelineModule``: the grid comes from the
+module (it was partitioned for it), the schedule from the config, and the stages holding
+copies of a tied module get a group each, with equal starting values."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zerotrain.comm.collectives import Communicator
+from zerotrain.config.policies import PipelinePolicy
+from zerotrain.parallel.pipeline.builders import build_schedule
+from zerotrain.parallel.pipeline.schedule import PipelineSchedule
+from zerotrain.parallel.pipeline.ties import (
+    TIED_PREFIX,
+    TiedGroup,
+    broadcast_initial,
+    build_tied_groups,
+)
+from zerotrain.parallel.topology import Topology
+
+if TYPE_CHECKING:
+    from zerotrain.parallel.pipeline.module import PipelineModule
+
+
+def pipeline_topology(
+    module: PipelineModule, given: Topology | None, config_stages: int | None, world_size: int
+) -> Topology:
+    """The module's grid, checked against ``topology=`` and ``pipeline.stages``.
+
+    Raises:
+        ValueError: they disagree, or the grid does not cover the job.
+    """
+    topology = module.topology
+    if topology is None:
+        raise ValueError(
+            "the PipelineModule was built for one stage (stage_id=) without a grid; build it "
+            "with num_stages= or topology= inside the job"
+        )
+    if given is not None and given != topology:
+        raise ValueError(
+            f"initialize(topology={given}) differs from the grid the PipelineModule was "
+            f"partitioned for ({topology}); pass the same Topology to both, or only to the module"
+        )
+    if config_stages is not None and config_stages != topology.pipe:
+        raise ValueError(
+            f"pipeline.stages={config_stages} in the config, but the PipelineModule has "
+            f'{topology.pipe} stages; set them alike (or pipeline.stages to "auto")'
+        )
+    if topology.world_size != world_size:
+        raise ValueError(
+            f"the PipelineModule's grid {topology} has {topology.world_size} ranks, but the "
+            f"job has {world_size} processes"
+        )
+    return topology
+
+
+def pipeline_schedule(
+    policy: PipelinePolicy, module: PipelineModule, micro_batches: int
+) -> PipelineSchedule:
+    """The instruction lists of every rank, with communication.
+
+    Raises:
+        ValueError: the schedule and the module's virtual stages disagree, or the schedule
+            cannot run this many micro-batches (its builder says why).
+    """
+    if policy.virtual_stages != module.virtual_stages:
+        raise ValueError(
+            f"pipeline.virtual_stages={policy.virtual_stages} in the config, but the "
+            f"PipelineModule was built with virtual_stages={module.virtual_stages}; set both alike"
+        )
+    interleaved = policy.schedule == "interleaved"
+    if interleaved != (module.virtual_stages > 1):
+        raise ValueError(
+            f"pipeline.schedule={policy.schedule!r} with virtual_stages="
+            f"{module.virtual_stages}: the interleaved schedule needs virtual_stages >= 2, "
+            "and the others exactly 1"
+        )
+    schedule = build_schedule(
+        policy.schedule, module.num_stages, micro_batches, module.virtual_stages
+    )
+    return schedule.with_communication()
+
+
+def tied_groups(world: Communicator, module: PipelineModule) -> list[TiedGroup]:
+    """The tie groups this rank belongs to, with the copies made equal (collective over
+    ``world``)."""
+    topology = module.topology
+    if topology is None:
+        return []
+    holders: dict[str, list[int]] = {}
+    for stage in range(topology.pipe):
+        for key in module.tied_keys_of_stage(stage):
+            holders.setdefault(key, []).append(stage)
+    groups = build_tied_groups(world, topology, holders)
+    params = {
+        group.key: [
+            p.data for name, p in module.named_parameters() if name.startswith(group.prefix)
+        ]
+        for group in groups
+    }
+    broadcast_initial(groups, params)
+    return groups
+
+
+def isolated_prefixes(module: PipelineModule) -> list[str]:
+    """Name prefixes of the tied modules this stage holds (each gets a unit of its own)."""
+    return sorted(f"{TIED_PREFIX}{key}." for key in module.tied_keys_of_stage(module.stage_id))
