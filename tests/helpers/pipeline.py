@@ -82,12 +82,30 @@ def pipeline_module(stages: int, virtual_stages: int = 1, **kwargs: Any) -> Pipe
     )
 
 
-def micro_batches(engine: Any, step: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This data-parallel rank's micro-batches of ``step`` (the reference's global batch)."""
-    data = engine.groups.data
-    batches = global_batches(dataclasses.replace(SPEC, grad_accum=count), data.world_size)
+SPIKE_STEP = 10  # its targets are random tokens: a loss spike, with clipping hard at work
+
+
+def pipeline_batches(count: int, data_parallel: int) -> torch.Tensor:
+    """Every step's global batch (``count`` micro-batches per replica), with the spike."""
     spec = dataclasses.replace(SPEC, grad_accum=count)
-    return [micro_batch(batches, spec, step, m, data.rank, data.world_size) for m in range(count)]
+    batches = global_batches(spec, data_parallel).clone()
+    noise = torch.Generator().manual_seed(7)
+    spiked = batches[SPIKE_STEP, :, 1:]
+    spiked.copy_(torch.randint(0, PIPE_GPT.vocab_size, spiked.shape, generator=noise))
+    return batches
+
+
+def micro_batches(
+    engine: Any | None, step: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches of ``step`` for ``engine``'s data-parallel rank (None: one
+    process, the whole global batch of one replica)."""
+    rank, world = (
+        (0, 1) if engine is None else (engine.groups.data.rank, engine.groups.data.world_size)
+    )
+    batches = pipeline_batches(count, world)
+    spec = dataclasses.replace(SPEC, grad_accum=count)
+    return [micro_batch(batches, spec, step, m, rank, world) for m in range(count)]
 
 
 def stage_params(engine: Any) -> dict[str, torch.Tensor]:
@@ -122,8 +140,7 @@ def train_reference(
         weight_decay=SPEC.opt_params["weight_decay"],
         eps=SPEC.opt_params["eps"],
     )
-    spec = dataclasses.replace(SPEC, grad_accum=micro)
-    batches = global_batches(spec, data_parallel)
+    batches = pipeline_batches(micro, data_parallel)
     losses = []
     for step in range(steps):
         x, y = batches[step, :, :-1], batches[step, :, 1:]

@@ -72,22 +72,29 @@ def _match_model(state: TrainState, manifest: Manifest, path: Path, strict: bool
         for n in theirs  # in state-dict order
         if n in ours and theirs[n] != ours[n]
     ]
-    if wrong:
+    missing = [n for n in ours if n not in theirs and n not in aliases]
+    # Pipeline stages each hold part of the model: a checkpoint tensor is unexpected only if
+    # no rank of the job holds it, and every rank takes each decision alike (one raising
+    # alone would leave the others waiting in the load's collectives).
+    held = [float(n in ours) for n in theirs] + [float(len(missing)), float(len(wrong))]
+    counts = torch.tensor(held, dtype=torch.float64)
+    state.placement.world.all_reduce(counts, purpose="control")
+    *held_by, missing_anywhere, wrong_anywhere = counts.tolist()
+    if wrong_anywhere:
+        shown = "; ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else "")
         raise IncompatibleCheckpointError(
-            f"{path} holds a different model: shapes differ for {len(wrong)} tensor(s): "
-            + "; ".join(wrong[:5])
-            + (" ..." if len(wrong) > 5 else "")
+            f"{path} holds a different model: shapes differ for {int(wrong_anywhere)} "
+            f"tensor(s)" + (f": {shown}" if wrong else " (on other ranks; see their errors)")
         )
-    report = LoadReport(
-        str(path),
-        missing=[n for n in ours if n not in theirs and n not in aliases],
-        unexpected=[n for n in theirs if n not in ours],
-    )
-    if strict and (report.missing or report.unexpected):
+    unexpected = [n for n, count in zip(theirs, held_by, strict=True) if count == 0]
+    report = LoadReport(str(path), missing=missing, unexpected=unexpected)
+    if strict and (missing_anywhere or report.unexpected):
+        elsewhere = int(missing_anywhere) - len(missing)
         raise IncompatibleCheckpointError(
             f"{path} does not match the model (pass strict=False to load what matches): "
-            f"missing from the checkpoint {report.missing[:10]}, not in the model "
-            f"{report.unexpected[:10]}"
+            f"missing from the checkpoint {report.missing[:10]}"
+            + (f" ({int(missing_anywhere)} over every rank)" if elsewhere else "")
+            + f", not in the model {report.unexpected[:10]}"
         )
     if report.missing or report.unexpected:
         log.warning(

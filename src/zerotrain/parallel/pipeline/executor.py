@@ -292,7 +292,7 @@ class PipelineExecutor:
                 P2POp.send(
                     description,
                     peer,
-                    purpose="control",
+                    purpose="stage_shapes",
                     label=f"stage {stage} description",
                     tag=messages.tag(Channel.DESCRIPTION, stage, m),
                 )
@@ -332,7 +332,7 @@ class PipelineExecutor:
                     P2POp.recv(
                         message,
                         peer,
-                        purpose="control",
+                        purpose="stage_shapes",
                         label=f"stage {sender} description",
                         tag=description_tag,
                     )

@@ -1,0 +1,272 @@
+"""What a pipeline engine promises besides matching numbers.
+
+* Gradient traffic per step follows the policy exactly: with ``per_microbatch`` every unit
+  of a stage is reduce-scattered once per micro-batch (M x the stage's gradient bytes),
+  with ``end_of_step`` once (1 x), at ZeRO stages 2 and 3, for 1F1B and interleaved.
+* Activations move once per micro-batch each way; the shapes' description only on the first
+  micro-batch and again when the input shapes change (a shorter curriculum sequence, a
+  smaller last batch), and training goes on correctly after each change.
+* Integer and bool tensors cross stages as themselves; gradients flow through the float
+  ones, equal to one process's.
+* A layer returning something other than tensors is named; impossible schedules are
+  refused at initialize with the constraint; ``forward`` is refused on a split model;
+  ``eval_batch`` returns the same loss on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import zerotrain
+from tests.helpers.pipeline import (
+    SPEC,
+    PipeRun,
+    micro_batches,
+    pipeline_module,
+)
+from zerotrain.examples.gpt import gpt_loss_fn
+from zerotrain.pipe import LayerSpec, PipelineModule
+from zerotrain.testing.dist import run_distributed
+
+MICRO = 8
+
+
+def _gradient_traffic(run: PipeRun) -> dict:
+    module = pipeline_module(run.stages, run.virtual_stages)
+    engine, _, _, _ = zerotrain.initialize(model=module, config=run.config(2))
+    engine.train_batch(iter(micro_batches(engine, 0, MICRO)))  # descriptions move here
+    engine.reset_comm_stats()
+    engine.train_batch(iter(micro_batches(engine, 1, MICRO)))
+    stats = engine.comm_stats()
+    grads = stats.get(op="reduce_scatter", purpose="gradients")
+    return {
+        "grad_bytes": grads.payload_bytes,
+        "grad_calls": grads.calls,
+        "stage_grad_bytes": sum(u.buffer.layout.padded_numel * 4 for u in engine.strategy.units),
+        "units": len(engine.strategy.units),
+        "activations_sent": stats.get(op="send", purpose="activations").calls,
+        "activation_grads_sent": stats.get(op="send", purpose="activation_gradients").calls,
+        "shapes_sent": stats.get(purpose="stage_shapes").calls,
+        "first": engine.is_first_stage(),
+        "last": engine.is_last_stage(),
+    }
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("policy", ["per_microbatch", "end_of_step"])
+def test_gradient_traffic_per_step_follows_the_policy(zero_stage, schedule, virtual, policy):
+    run = PipeRun(
+        2, schedule, virtual, zero_stage=zero_stage, grad_reduce=policy, micro_batches=MICRO
+    )
+    times = MICRO if policy == "per_microbatch" else 1
+    for rank, got in enumerate(run_distributed(_gradient_traffic, 4, run, timeout=240)):
+        assert got["grad_bytes"] == times * got["stage_grad_bytes"], (rank, got)
+        assert got["grad_calls"] == times * got["units"], (rank, got)
+        # Each stage boundary a rank sends across carries one message per micro-batch.
+        boundaries = virtual - (1 if got["last"] else 0)
+        assert got["activations_sent"] == MICRO * boundaries, (rank, got)
+        backward_boundaries = virtual - (1 if got["first"] else 0)
+        assert got["activation_grads_sent"] == MICRO * backward_boundaries, (rank, got)
+        assert got["shapes_sent"] == 0, (rank, got)  # same shapes as the first step
+
+
+def _changing_shapes() -> dict:
+    run = PipeRun(2, "1f1b", zero_stage=2, micro_batches=4)
+    module = pipeline_module(2)
+    engine, _, _, _ = zerotrain.initialize(model=module, config=run.config(1))
+    shapes_sent, losses = [], []
+    for step, (length, rows) in enumerate([(16, 2), (16, 2), (8, 2), (16, 2), (16, 1)]):
+        batches = [
+            (x[:rows, :length], y[:rows, :length]) for x, y in micro_batches(engine, step, 4)
+        ]
+        engine.reset_comm_stats()
+        losses.append(float(engine.train_batch(iter(batches))))
+        shapes_sent.append(engine.comm_stats().get(op="send", purpose="stage_shapes").calls)
+    return {"shapes_sent": shapes_sent, "losses": losses, "first": engine.is_first_stage()}
+
+
+def _changing_shapes_reference() -> list[float]:
+    module = pipeline_module(1)
+    params = list(module.parameters())
+    opt = torch.optim.AdamW(params, lr=SPEC.opt_params["lr"], weight_decay=0.01, eps=1e-6)
+    losses = []
+    for step, (length, rows) in enumerate([(16, 2), (16, 2), (8, 2), (16, 2), (16, 1)]):
+        batches = [(x[:rows, :length], y[:rows, :length]) for x, y in micro_batches(None, step, 4)]
+        opt.zero_grad()
+        total = sum(gpt_loss_fn(module(x), y) for x, y in batches) / len(batches)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, SPEC.clip)
+        opt.step()
+        losses.append(total.item())
+    return losses
+
+
+def test_shapes_are_described_when_they_change_and_training_follows():
+    results = run_distributed(_changing_shapes, 2, timeout=240)
+    first = next(r for r in results if r["first"])
+    # Step 0: new shapes; 1: same; 2: shorter sequences; 3: the first shapes again (known);
+    # 4: one row per micro-batch.
+    assert first["shapes_sent"] == [1, 0, 1, 0, 1]
+    reference = _changing_shapes_reference()
+    for result in results:
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(reference), rtol=0, atol=1e-5
+        )
+
+
+class _Split(nn.Module):
+    """Stage 0: float features, the integer ids and a bool mask, all sent on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, ids: torch.Tensor):
+        return self.embed(ids), ids * 3, ids % 2 == 0
+
+
+class _Use(nn.Module):
+    """Stage 1: uses all three (the integer and bool ones must arrive as themselves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 1)
+
+    def forward(self, inputs):
+        features, tripled, even = inputs
+        assert tripled.dtype == torch.int64
+        assert even.dtype == torch.bool
+        scale = (tripled.float() / 3 + 1) * even.float()
+        return self.proj(features).squeeze(-1) * scale
+
+
+def _mixed_layers() -> list:
+    return [LayerSpec(_Split), LayerSpec(_Use)]
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _mixed_dtypes(stages: int) -> dict:
+    module = PipelineModule(
+        _mixed_layers(),
+        num_stages=stages,
+        loss_fn=_mse,
+        seed_layers=True,
+        partition_method="uniform",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1},
+    }
+    engine, _, _, _ = zerotrain.initialize(model=module, config=config)
+    gen = torch.Generator().manual_seed(3)
+    batches = [
+        (torch.randint(0, 16, (4, 5), generator=gen), torch.randn(4, 5, generator=gen))
+        for _ in range(2)
+    ]
+    losses = [float(engine.train_batch(iter(batches))) for _ in range(3)]
+    with zerotrain.zero.GatheredParameters(list(module.parameters())):
+        params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def test_integer_and_bool_tensors_cross_as_themselves():
+    results = run_distributed(_mixed_dtypes, 2, 2, timeout=120)
+    reference = run_distributed(_mixed_dtypes, 1, 1, timeout=120)[0]
+    params = {**results[0]["params"], **results[1]["params"]}
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-6)
+    for result in results:
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-6
+        )
+
+
+class _ReturnsDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        return {"hidden": self.lin(x)}
+
+
+def _non_tensor_boundary() -> str:
+    module = PipelineModule(
+        [LayerSpec(nn.Linear, 4, 4), LayerSpec(_ReturnsDict), LayerSpec(nn.Linear, 4, 4)],
+        num_stages=2,
+        loss_fn=_mse,
+        partition_method="uniform",
+    )
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2}
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    engine, _, _, _ = zerotrain.initialize(model=module, config=config)
+    batches = [(torch.randn(1, 4), torch.randn(1, 4)) for _ in range(2)]
+    try:
+        engine.train_batch(iter(batches))
+    except Exception as err:  # stage 0 names the layer; stage 1 loses its peer
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_layer_returning_a_dict_is_named():
+    first, second = run_distributed(_non_tensor_boundary, 2, timeout=120, comm_timeout=20)
+    assert first.startswith("TypeError"), first
+    assert "layer 1 (_ReturnsDict)" in first, first
+    assert "dict" in first, first
+    assert "rank 0" in second, second  # the next stage's receive names the stage it lost
+
+
+def _refused(schedule: str, virtual: int, micro: int) -> str:
+    run = dataclasses.replace(PipeRun(2, schedule, virtual), micro_batches=micro)
+    try:
+        zerotrain.initialize(model=pipeline_module(2, virtual), config=run.config(1))
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual", "micro", "says"),
+    [
+        ("1f1b", 1, 1, "at least as many micro-batches"),
+        ("interleaved", 2, 3, "multiple"),
+    ],
+)
+def test_impossible_schedules_are_refused_with_the_constraint(schedule, virtual, micro, says):
+    for message in run_distributed(_refused, 2, schedule, virtual, micro, timeout=120):
+        assert says in message, message
+
+
+def _eval_and_forward() -> dict:
+    run = PipeRun(2, "1f1b", zero_stage=3, micro_batches=4)
+    engine, _, _, _ = zerotrain.initialize(model=pipeline_module(2), config=run.config(1))
+    batches = micro_batches(engine, 0, 4)
+    loss = float(engine.eval_batch(iter(batches)))
+    try:
+        engine(batches[0][0])
+    except RuntimeError as err:
+        refused = str(err)
+    else:
+        refused = ""
+    return {"loss": loss, "refused": refused}
+
+
+def test_eval_batch_gives_every_rank_the_loss_and_forward_is_refused():
+    results = run_distributed(_eval_and_forward, 2, timeout=120)
+    module = pipeline_module(1)
+    with torch.no_grad():
+        batches = micro_batches(None, 0, 4)
+        expected = sum(gpt_loss_fn(module(x), y).item() for x, y in batches) / 4
+    for result in results:
+        assert result["loss"] == pytest.approx(expected, abs=1e-6)
+        assert "train_batch" in result["refused"]
