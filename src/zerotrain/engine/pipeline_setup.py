@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import PipelinePolicy
 from zerotrain.parallel.pipeline.builders import build_schedule
-from zerotrain.parallel.pipeline.schedule import PipelineSchedule
+from zerotrain.parallel.pipeline.schedule import ActionType, PipelineSchedule
 from zerotrain.parallel.pipeline.ties import (
     TIED_PREFIX,
     TiedGroup,
@@ -78,6 +78,14 @@ def pipeline_schedule(
     schedule = build_schedule(
         policy.schedule, module.num_stages, micro_batches, module.virtual_stages
     )
+    split = {ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT}
+    if any(a.kind in split for rank in schedule.actions for a in rank):
+        raise NotImplementedError(
+            f"pipeline.schedule={policy.schedule!r} splits backward into input (I) and weight "
+            "(W) gradients; zerotrain builds, simulates and exports it (parallel.pipeline."
+            "builders), but its executor runs full backwards only: use 1f1b, gpipe or "
+            "interleaved"
+        )
     return schedule.with_communication()
 
 

@@ -25,6 +25,7 @@ did not use one); integer and bool tensors cross as themselves and get none.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -111,6 +112,11 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self.rank = comm.rank
         self.last_stage = schedule.num_stages - 1
+        # (action, start, end) of each compute action of the last step, in time.monotonic()
+        # seconds (one clock for every process of a machine), when ``record_timeline``;
+        # from when its inputs (or gradients) had arrived to when it was done.
+        self.record_timeline = False
+        self.timeline: list[tuple[Action, float, float]] = []
         self._described: set[tuple[int, int]] = set()  # (sending stage, input fingerprint)
         self._descriptions: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
 
@@ -134,6 +140,7 @@ class PipelineExecutor:
         actions = self.schedule.actions[self.rank]
         if backward is None:
             actions = tuple(a for a in actions if a.kind in FORWARD_ONLY)
+        self.timeline = []
         try:
             for action in actions:
                 self._run_action(step, action, backward, reduce_grad)
@@ -205,6 +212,7 @@ class PipelineExecutor:
     def _forward(self, step: _Step, action: Action) -> None:
         stage, m = action.stage, _micro(action)
         inputs = self._stage_inputs(step, stage, m)
+        start = time.monotonic()
         chunk = stage // self.schedule.num_ranks
         with torch.set_grad_enabled(step.train):
             output = self.module(messages.from_tensors(inputs), chunk=chunk)
@@ -219,6 +227,11 @@ class PipelineExecutor:
             step.stage_outputs[(stage, m)] = outputs
         elif stage != self.last_stage:
             step.stage_outputs[(stage, m)] = outputs  # until sent
+        self._record(action, start)
+
+    def _record(self, action: Action, start: float) -> None:
+        if self.record_timeline:
+            self.timeline.append((action, start, time.monotonic()))
 
     def _loss(self, step: _Step, output: Any, m: int) -> torch.Tensor:
         if self.loss_fn is None:
@@ -245,12 +258,14 @@ class PipelineExecutor:
         outputs = step.stage_outputs.pop((stage, m))
         inputs = step.stage_inputs.pop((stage, m))
         if stage == self.last_stage:
+            start = time.monotonic()
             backward(outputs, None, action)
         else:
             received = step.received.pop((Channel.GRADIENTS, stage, m), None)
             if received is None:
                 raise InvariantError(f"stage {stage} ran B{m} before receiving its gradients")
             grads = iter(received.wait())
+            start = time.monotonic()
             roots, root_grads = [], []
             for out in outputs:
                 if not out.dtype.is_floating_point:
@@ -266,6 +281,7 @@ class PipelineExecutor:
                 for t in inputs
                 if t.dtype.is_floating_point
             ]
+        self._record(action, start)
 
     # -- messages ---------------------------------------------------------------------------
 
