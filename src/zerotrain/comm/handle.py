@@ -59,6 +59,11 @@ class Handle:
         """True once ``wait()`` has returned."""
         return self._finished
 
+    def done(self) -> bool:
+        """Whether every operation completed (never blocks; an operation that failed
+        counts as done, and ``wait()`` raises its error)."""
+        return self._finished or all(work.is_completed() for work in self._works)
+
     def wait(self) -> None:
         """Block until the collective completed (idempotent).
 

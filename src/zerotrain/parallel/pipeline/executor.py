@@ -1,26 +1,15 @@
 """Running one rank's instruction list: forwards, backwards and the messages between stages.
 
-The schedule (``schedules.py``) says what this rank does and in which order; the executor
+The schedule (``builders.py``) says what this rank does and in which order; the executor
 does it. Compute actions call the stage module (``F``) and autograd (``B``); communication
 actions post tagged, non-blocking messages to the neighbouring stages' ranks through the pipe
 communicator (``Communicator.post``): a receive is waited for by the action that consumes
-it, sends are waited for at the end of the step. Because a send never waits for its
+it, a send is held until it completed. Because a send never waits for its
 receiver and messages match by tag, any schedule the simulator accepts runs without
 deadlock, whatever order two ranks post their messages to each other in.
 
-Shapes and dtypes. A receiver allocates its buffers before the data arrives, so it must know
-them. At the start of each step the first stage's rank tells the whole pipeline a
-fingerprint of every micro-batch's input shapes (one small broadcast); the first time a
-stage sends activations for a fingerprint it has not sent before, it sends their
-description first, and the receiver, which saw the same fingerprints, expects one exactly
-then. So descriptions move on the first micro-batch and again whenever the input shapes
-change (a longer curriculum sequence, a short last batch), and a pipeline whose inputs keep
-one shape sends none after its first step. A stage whose output shapes depend on the values
-of its inputs, not only their shapes, is not supported: its receiver's buffers would not
-match, which the receive reports.
-
-Gradients flow back for the floating-point tensors of a boundary (zeros where the next stage
-did not use one); integer and bool tensors cross as themselves and get none.
+What crosses the boundaries, and how shapes are agreed without a message per micro-batch,
+is ``boundary.py``.
 """
 
 from __future__ import annotations
@@ -34,10 +23,9 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Communicator
-from zerotrain.comm.handle import Handle
-from zerotrain.comm.p2p import P2POp
 from zerotrain.parallel.pipeline import messages
-from zerotrain.parallel.pipeline.messages import Channel, TensorMeta
+from zerotrain.parallel.pipeline.boundary import Received, StageBoundaries
+from zerotrain.parallel.pipeline.messages import Channel
 from zerotrain.parallel.pipeline.schedule import Action, ActionType, PipelineSchedule
 from zerotrain.utils.invariant import InvariantError
 
@@ -55,18 +43,6 @@ class StageBackward(Protocol):
 
 
 @dataclass
-class _Received:
-    """Buffers a receive writes into, and its handle."""
-
-    handle: Handle
-    tensors: list[torch.Tensor]
-
-    def wait(self) -> list[torch.Tensor]:
-        self.handle.wait()
-        return self.tensors
-
-
-@dataclass
 class _Step:
     """What one step keeps between its actions."""
 
@@ -74,12 +50,11 @@ class _Step:
     inputs: Sequence[Any] | None
     labels: Sequence[Any] | None
     train: bool
-    received: dict[tuple[Channel, int, int], _Received] = field(default_factory=dict)
+    received: dict[tuple[Channel, int, int], Received] = field(default_factory=dict)
     # Per (stage, micro-batch): the stage's inputs (leaves) and outputs, until its backward.
     stage_inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     stage_outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[Handle, list[torch.Tensor]]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -117,8 +92,7 @@ class PipelineExecutor:
         # from when its inputs (or gradients) had arrived to when it was done.
         self.record_timeline = False
         self.timeline: list[tuple[Action, float, float]] = []
-        self._described: set[tuple[int, int]] = set()  # (sending stage, input fingerprint)
-        self._descriptions: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
+        self.boundaries = StageBoundaries(comm, schedule.stage_to_rank, self._layer_name)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -141,12 +115,12 @@ class PipelineExecutor:
         if backward is None:
             actions = tuple(a for a in actions if a.kind in FORWARD_ONLY)
         self.timeline = []
+        self.boundaries.begin_step(signatures)
         try:
             for action in actions:
                 self._run_action(step, action, backward, reduce_grad)
         finally:
-            for handle, _ in step.sends:
-                handle.wait()
+            self.boundaries.finish_step()
         return step.losses
 
     def _run_action(
@@ -285,126 +259,27 @@ class PipelineExecutor:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _peer(self, stage: int) -> int:
-        return self.schedule.stage_to_rank(stage)
-
-    def _post(self, ops: list[P2POp]) -> Handle:
-        return self.comm.post(ops)
-
     def _send_activations(self, step: _Step, action: Action) -> None:
         stage, m = action.stage, _micro(action)
-        outputs = [t.detach().contiguous() for t in step.stage_outputs[(stage, m)]]
+        outputs = step.stage_outputs[(stage, m)]
         if not step.train:
             del step.stage_outputs[(stage, m)]
-        peer = self._peer(stage + 1)
-        ops: list[P2POp] = []
-        key = (stage, step.signatures[m])
-        if key not in self._described:
-            where = f"{self._layer_name(stage)} output"
-            description = messages.encode(messages.describe(outputs), where)
-            self._described.add(key)
-            self._descriptions[key] = messages.describe(outputs)
-            ops.append(
-                P2POp.send(
-                    description,
-                    peer,
-                    purpose="stage_shapes",
-                    label=f"stage {stage} description",
-                    tag=messages.tag(Channel.DESCRIPTION, stage, m),
-                )
-            )
-            outputs_kept = [description, *outputs]
-        else:
-            expected = self._descriptions[key]
-            if messages.describe(outputs) != expected:
-                raise RuntimeError(
-                    f"{self._layer_name(stage)} output shapes {messages.describe(outputs)} "
-                    f"differ from {expected}, which it produced before for inputs of the same "
-                    "shapes: a stage's output shapes must depend only on its input shapes"
-                )
-            outputs_kept = list(outputs)
-        for slot, t in enumerate(outputs):
-            ops.append(
-                P2POp.send(
-                    t,
-                    peer,
-                    purpose="activations",
-                    label=f"F{m}",
-                    tag=messages.tag(Channel.ACTIVATIONS, stage, m, slot),
-                )
-            )
-        step.sends.append((self._post(ops), outputs_kept))
+        self.boundaries.send_activations(stage, m, outputs)
 
     def _receive_activations(self, step: _Step, action: Action) -> None:
         stage, m = action.stage, _micro(action)
-        sender = stage - 1
-        peer = self._peer(sender)
-        key = (sender, step.signatures[m])
-        if key not in self._descriptions:
-            message = torch.empty(messages.DESCRIPTION_NUMEL, dtype=torch.int64)
-            description_tag = messages.tag(Channel.DESCRIPTION, sender, m)
-            self._post(
-                [
-                    P2POp.recv(
-                        message,
-                        peer,
-                        purpose="stage_shapes",
-                        label=f"stage {sender} description",
-                        tag=description_tag,
-                    )
-                ]
-            ).wait()
-            self._descriptions[key] = messages.decode(message)
-        metas = self._descriptions[key]
-        buffers = [meta.empty(self._device) for meta in metas]
-        ops = [
-            P2POp.recv(
-                t,
-                peer,
-                purpose="activations",
-                label=f"F{m}",
-                tag=messages.tag(Channel.ACTIVATIONS, sender, m, slot),
-            )
-            for slot, t in enumerate(buffers)
-        ]
-        step.received[(Channel.ACTIVATIONS, stage, m)] = _Received(self._post(ops), buffers)
+        received = self.boundaries.receive_activations(stage, m)
+        step.received[(Channel.ACTIVATIONS, stage, m)] = received
 
     def _send_gradients(self, step: _Step, action: Action) -> None:
         stage, m = action.stage, _micro(action)
-        grads = step.input_grads.pop((stage, m))
-        peer = self._peer(stage - 1)
-        ops = [
-            P2POp.send(
-                g,
-                peer,
-                purpose="activation_gradients",
-                label=f"B{m}",
-                tag=messages.tag(Channel.GRADIENTS, stage - 1, m, slot),
-            )
-            for slot, g in enumerate(grads)
-        ]
-        step.sends.append((self._post(ops), grads))
+        self.boundaries.send_gradients(stage, m, step.input_grads.pop((stage, m)))
 
     def _receive_gradients(self, step: _Step, action: Action) -> None:
         stage, m = action.stage, _micro(action)
         outputs = step.stage_outputs[(stage, m)]
-        buffers = [
-            torch.empty_like(t, memory_format=torch.contiguous_format)
-            for t in outputs
-            if t.dtype.is_floating_point
-        ]
-        peer = self._peer(stage + 1)
-        ops = [
-            P2POp.recv(
-                g,
-                peer,
-                purpose="activation_gradients",
-                label=f"B{m}",
-                tag=messages.tag(Channel.GRADIENTS, stage, m, slot),
-            )
-            for slot, g in enumerate(buffers)
-        ]
-        step.received[(Channel.GRADIENTS, stage, m)] = _Received(self._post(ops), buffers)
+        received = self.boundaries.receive_gradients(stage, m, outputs)
+        step.received[(Channel.GRADIENTS, stage, m)] = received
 
 
 def _micro(action: Action) -> int:
