@@ -271,3 +271,69 @@ def test_eval_batch_gives_every_rank_the_loss_and_forward_is_refused():
     for result in results:
         assert result["loss"] == pytest.approx(expected, abs=1e-6)
         assert "train_batch" in result["refused"]
+
+
+def _mixed_precision(precision: dict) -> dict:
+    run = PipeRun(2, "1f1b", zero_stage=2, micro_batches=4)
+    config = {**run.config(1), **precision}
+    engine, _, _, _ = zerotrain.initialize(model=pipeline_module(2), config=config)
+    losses = []
+    for step in range(4):
+        engine.reset_comm_stats()
+        losses.append(float(engine.train_batch(iter(micro_batches(engine, step, 4)))))
+    sent = engine.comm_stats().get(op="send", purpose="activations")
+    return {
+        "losses": losses,
+        "activation_bytes": sent.payload_bytes,
+        "skipped": engine.skipped_steps,
+        "scale": engine.loss_scale,
+        "lr": engine.get_lr(),
+        "norm": engine.get_global_grad_norm(),
+        "first": engine.is_first_stage(),
+    }
+
+
+def test_bf16_activations_cross_stages_in_bf16_and_train():
+    results = run_distributed(_mixed_precision, 2, {"bf16": {"enabled": True}}, timeout=180)
+    first = next(r for r in results if r["first"])
+    # 4 micro-batches of 2 x 16 positions x 32 features, 2 bytes each.
+    assert first["activation_bytes"] == 4 * 2 * 16 * 32 * 2
+    reference = train_reference_losses(4)
+    for result in results:
+        assert result["losses"] == results[0]["losses"]  # the loss reaches every rank
+        for got, want in zip(result["losses"], reference, strict=True):
+            assert abs(got - want) < 3e-2, (result["losses"], reference)
+
+
+def test_fp16_overflow_skips_agree_across_stages():
+    # A first loss scale of 2**32 overflows fp16: the steps are skipped on every stage alike
+    # (the overflow is decided on the norm summed over the stages), and the scale, the
+    # schedule and the norm stay the same everywhere.
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 32, "loss_scale_window": 2}}
+    results = run_distributed(_mixed_precision, 2, fp16, timeout=180)
+    assert results[0]["skipped"] > 0
+    for key in ("skipped", "scale", "lr", "norm", "losses"):
+        assert str(results[0][key]) == str(results[1][key]), key  # nan included
+
+
+def train_reference_losses(steps: int) -> list[float]:
+    from tests.helpers.pipeline import train_reference
+
+    return train_reference(steps=steps)["losses"]
+
+
+def _config_disagrees_with_module() -> str:
+    run = PipeRun(2)
+    config = run.config(1)
+    config["pipeline"]["seed_layers"] = False  # the module is built with seed_layers=True
+    try:
+        zerotrain.initialize(model=pipeline_module(2), config=config)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_config_key_the_module_was_built_without_is_refused():
+    for message in run_distributed(_config_disagrees_with_module, 2, timeout=120):
+        assert "pipeline.seed_layers=False" in message, message
+        assert "seed_layers=True" in message, message

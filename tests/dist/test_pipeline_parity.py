@@ -8,7 +8,8 @@ stage (both copies of the tied embedding included), for GPipe, 1F1B and interlea
 (2 virtual stages) on 2 stages x 2 data-parallel replicas and on 4 stages, at ZeRO stages
 1, 2 and 3. The gradient policy (reduce every micro-batch or once per step) and stage 3's
 ``reshard_after_forward`` vary across the cases: they change when gradients move, never
-the result.
+the result; nor does activation checkpointing (``activation_checkpoint_interval``), which
+two cases use.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ CASES = [
     PipeRun(2, "gpipe", zero_stage=3, reshard_after_forward=False),
     PipeRun(2, "1f1b", zero_stage=1, grad_reduce="per_microbatch"),
     PipeRun(2, "1f1b", zero_stage=2),
-    PipeRun(2, "1f1b", zero_stage=3, grad_reduce="per_microbatch"),
+    PipeRun(2, "1f1b", zero_stage=3, grad_reduce="per_microbatch", checkpoint_interval=2),
     PipeRun(2, "interleaved", 2, zero_stage=1),
     PipeRun(2, "interleaved", 2, zero_stage=2, grad_reduce="per_microbatch"),
     PipeRun(2, "interleaved", 2, zero_stage=3),
@@ -38,14 +39,17 @@ CASES = [
     PipeRun(4, "1f1b", zero_stage=2, grad_reduce="per_microbatch"),
     PipeRun(4, "1f1b", zero_stage=3, reshard_after_forward=False),
     PipeRun(4, "interleaved", 2, zero_stage=1, grad_reduce="per_microbatch"),
-    PipeRun(4, "interleaved", 2, zero_stage=2),
+    PipeRun(4, "interleaved", 2, zero_stage=2, checkpoint_interval=1),
     PipeRun(4, "interleaved", 2, zero_stage=3, grad_reduce="per_microbatch"),
 ]
 
 
 def _name(run: PipeRun) -> str:
     held = "" if run.reshard_after_forward else "-held"
-    return f"P{run.stages}-{run.schedule}-zero{run.zero_stage}-{run.grad_reduce}{held}"
+    checkpointed = f"-ckpt{run.checkpoint_interval}" if run.checkpoint_interval else ""
+    return (
+        f"P{run.stages}-{run.schedule}-zero{run.zero_stage}-{run.grad_reduce}{held}{checkpointed}"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ class PipeRun:
     reshard_after_forward: bool = True
     steps: int = SPEC.steps
     micro_batches: int = MICRO_BATCHES
+    checkpoint_interval: int = 0  # activation checkpointing every this many layers
 
     def config(self, data_parallel: int) -> dict[str, Any]:
         return {
@@ -60,6 +61,8 @@ class PipeRun:
                 "virtual_stages": self.virtual_stages,
                 "grad_reduce": self.grad_reduce,
                 "reshard_after_forward": self.reshard_after_forward,
+                "activation_checkpoint_interval": self.checkpoint_interval,
+                "seed_layers": True,
             },
             "steps_per_print": 1000,
         }
@@ -118,7 +121,9 @@ def stage_params(engine: Any) -> dict[str, torch.Tensor]:
 def train_pipeline(run: PipeRun) -> dict[str, Any]:
     """Runs on every rank: ``run.steps`` steps of ``train_batch``; losses and this stage's
     final parameters."""
-    module = pipeline_module(run.stages, run.virtual_stages)
+    module = pipeline_module(
+        run.stages, run.virtual_stages, activation_checkpoint_interval=run.checkpoint_interval
+    )
     data_parallel = dist.get_world_size() // run.stages
     engine, _, _, _ = zerotrain.initialize(model=module, config=run.config(data_parallel))
     losses = []

@@ -36,6 +36,7 @@ from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.engine.pipeline_engine import PipelineEngine
 from zerotrain.engine.pipeline_setup import (
+    check_built_as_configured,
     isolated_prefixes,
     pipeline_schedule,
     pipeline_topology,
@@ -254,6 +255,9 @@ def initialize(
     groups = ProcessGroups.build(topology, world)
     comm = groups.zero  # ZeRO shards and reduces over data x sequence
     policies = to_policies(cfg, groups.data.world_size)
+    if isinstance(model, PipelineModule):
+        explicit = set(cfg.pipeline.model_fields_set) if cfg.pipeline is not None else set()
+        check_built_as_configured(policies.pipeline, explicit, model)
     telemetry = telemetry_policy(cfg)
     for member in groups.distinct():
         member.configure_logger(telemetry.comms)

@@ -37,6 +37,7 @@ from zerotrain.parallel.pipeline import messages
 from zerotrain.parallel.pipeline.executor import PipelineExecutor
 from zerotrain.parallel.pipeline.schedule import Action, ActionType, PipelineSchedule
 from zerotrain.parallel.pipeline.ties import TiedGroup, sum_gradient_slices
+from zerotrain.precision.casts import cast_floating
 
 _BACKWARDS = (ActionType.BACKWARD, ActionType.BACKWARD_INPUT)
 
@@ -158,6 +159,9 @@ class PipelineEngine(Engine):
             batches = self._next_batches(data_iter, count)
             if self.is_first_stage():
                 inputs = [b[0] for b in batches]
+                dtype = self.precision.compute
+                if dtype is not None and self.precision.cast_inputs:
+                    inputs = [cast_floating(x, dtype) for x in inputs]  # as engine(...) does
             if self.is_last_stage():
                 labels = [b[1] for b in batches]
         codes = torch.zeros(count, dtype=torch.int64, device=self.groups.pipe.device)

@@ -54,6 +54,41 @@ def pipeline_topology(
     return topology
 
 
+# Config keys whose value the PipelineModule fixed when it was built, by its attribute.
+_BUILT_WITH = {
+    "partition": "partition_method",
+    "seed_layers": "seed_layers",
+    "activation_checkpoint_interval": "activation_checkpoint_interval",
+}
+
+
+def check_built_as_configured(
+    policy: PipelinePolicy, explicit: set[str], module: PipelineModule
+) -> None:
+    """The config's ``pipeline.partition``, ``seed_layers`` and
+    ``activation_checkpoint_interval``, where given, must be what the module was built with:
+    they act when it is built (as in DeepSpeed, where they are constructor arguments), so a
+    differing config value would be silently ignored.
+
+    Raises:
+        ValueError: naming the key, both values and how to fix it.
+    """
+    resolved = {
+        "partition": policy.partition_method,
+        "seed_layers": policy.seed_layers,
+        "activation_checkpoint_interval": policy.activation_checkpoint_interval,
+    }
+    for key, attribute in _BUILT_WITH.items():
+        built = getattr(module, attribute)
+        if key in explicit and resolved[key] != built:
+            raise ValueError(
+                f"pipeline.{key}={resolved[key]!r} in the config, but the PipelineModule was "
+                f"built with {attribute}={built!r}; the module's constructor argument decides "
+                f"(it acts while the layers are built), so pass {attribute}="
+                f"{resolved[key]!r} to PipelineModule or drop the key from the config"
+            )
+
+
 def pipeline_schedule(
     policy: PipelinePolicy, module: PipelineModule, micro_batches: int
 ) -> PipelineSchedule:
