@@ -253,13 +253,15 @@ def _eval_and_forward() -> dict:
     engine, _, _, _ = zerotrain.initialize(model=pipeline_module(2), config=run.config(1))
     batches = micro_batches(engine, 0, 4)
     loss = float(engine.eval_batch(iter(batches)))
+    # Fewer micro-batches than training uses (1F1B could not train on 1 < P).
+    first = float(engine.eval_batch(iter(batches[:1]), num_micro_batches=1))
     try:
         engine(batches[0][0])
     except RuntimeError as err:
         refused = str(err)
     else:
         refused = ""
-    return {"loss": loss, "refused": refused}
+    return {"loss": loss, "first": first, "refused": refused}
 
 
 def test_eval_batch_gives_every_rank_the_loss_and_forward_is_refused():
@@ -267,9 +269,10 @@ def test_eval_batch_gives_every_rank_the_loss_and_forward_is_refused():
     module = pipeline_module(1)
     with torch.no_grad():
         batches = micro_batches(None, 0, 4)
-        expected = sum(gpt_loss_fn(module(x), y).item() for x, y in batches) / 4
+        each = [gpt_loss_fn(module(x), y).item() for x, y in batches]
     for result in results:
-        assert result["loss"] == pytest.approx(expected, abs=1e-6)
+        assert result["loss"] == pytest.approx(sum(each) / 4, abs=1e-6)
+        assert result["first"] == pytest.approx(each[0], abs=1e-6)
         assert "train_batch" in result["refused"]
 
 

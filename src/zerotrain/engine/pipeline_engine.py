@@ -34,6 +34,7 @@ import torch
 from zerotrain.config.policies import PipelinePolicy
 from zerotrain.engine.engine import Engine
 from zerotrain.parallel.pipeline import messages
+from zerotrain.parallel.pipeline.builders import build_schedule
 from zerotrain.parallel.pipeline.executor import PipelineExecutor
 from zerotrain.parallel.pipeline.schedule import Action, ActionType, PipelineSchedule
 from zerotrain.parallel.pipeline.ties import TiedGroup, sum_gradient_slices
@@ -149,11 +150,10 @@ class PipelineEngine(Engine):
         return batches
 
     def _micro_batches(
-        self, data_iter: Iterable[Any] | None
+        self, data_iter: Iterable[Any] | None, count: int
     ) -> tuple[list[Any] | None, list[Any] | None, list[int]]:
-        """Only the first and last stages read data; every stage learns the shapes'
-        fingerprints (one broadcast from the first stage)."""
-        count = self.policy.batch.gradient_accumulation_steps
+        """``count`` micro-batches: only the first and last stages read data; every stage
+        learns the shapes' fingerprints (one broadcast from the first stage)."""
         inputs = labels = None
         if self.is_first_stage() or self.is_last_stage():
             batches = self._next_batches(data_iter, count)
@@ -183,7 +183,8 @@ class PipelineEngine(Engine):
                 initialize (repeated), or ``set_dataiterator``.
         """
         self.module.train()
-        inputs, labels, signatures = self._micro_batches(data_iter)
+        count = self.policy.batch.gradient_accumulation_steps
+        inputs, labels, signatures = self._micro_batches(data_iter, count)
         self.telemetry.before_forward(self)
         held = self.policy.stage == 3 and not self.pipeline.reshard_after_forward
         if held:
@@ -210,17 +211,59 @@ class PipelineEngine(Engine):
         return loss
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterable[Any]) -> torch.Tensor:
-        """The mean loss of one batch (``gradient_accumulation_steps`` micro-batches) in
-        eval mode, without gradients, returned on every rank."""
+    def eval_batch(
+        self,
+        data_iter: Iterable[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> torch.Tensor:
+        """The mean loss of one batch in eval mode, without gradients, returned on every
+        rank (DeepSpeed's signature).
+
+        Args:
+            data_iter: yields ``(inputs, labels)`` micro-batches (first and last stage).
+            num_micro_batches: micro-batches in the batch (default
+                ``gradient_accumulation_steps``; the interleaved schedule needs a multiple
+                of the stages).
+            return_logits, compute_loss, reduce_output, bcast_loss: only DeepSpeed's
+                defaults are supported (False, True, "avg", True); others raise.
+        """
+        given = {
+            "return_logits": (return_logits, False),
+            "compute_loss": (compute_loss, True),
+            "reduce_output": (reduce_output, "avg"),
+            "bcast_loss": (bcast_loss, True),
+        }
+        for name, (value, default) in given.items():
+            if value != default:
+                raise NotImplementedError(
+                    f"eval_batch({name}={value!r}) is not supported; the mean loss is "
+                    f"returned on every rank ({name}={default!r})"
+                )
+        count = num_micro_batches or self.policy.batch.gradient_accumulation_steps
+        schedule = self._eval_schedule(count)
         was_training = self.module.training
         self.module.eval()
         try:
-            inputs, labels, signatures = self._micro_batches(data_iter)
-            losses = self.executor.run(inputs, labels, signatures, backward=None)
+            inputs, labels, signatures = self._micro_batches(data_iter, count)
+            losses = self.executor.run(inputs, labels, signatures, backward=None, schedule=schedule)
         finally:
             self.module.train(was_training)
         return self._batch_loss(losses)
+
+    def _eval_schedule(self, count: int) -> PipelineSchedule:
+        """The training schedule's kind for ``count`` micro-batches (its forward actions
+        run; 1F1B's need for M >= P does not apply without backwards, so GPipe's order
+        stands in for it)."""
+        if count == self.schedule.num_microbatches:
+            return self.schedule
+        name = self.schedule.name if self.schedule.virtual_stages > 1 else "gpipe"
+        return build_schedule(
+            name, self.num_stages, count, self.schedule.virtual_stages
+        ).with_communication()
 
     def _batch_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
         """The last stage's mean loss, averaged over its data-parallel group, on every

@@ -104,14 +104,16 @@ class PipelineExecutor:
         *,
         backward: StageBackward | None,
         reduce_grad: Callable[[Action], None] | None = None,
+        schedule: PipelineSchedule | None = None,
     ) -> dict[int, torch.Tensor]:
         """Run one step: every action of this rank (only the forward ones without
         ``backward``). ``inputs``/``labels`` hold the micro-batches on the first/last stage's
         rank (None elsewhere); ``signatures`` the input fingerprints of every micro-batch,
-        the same on every rank. Returns the losses of the last stage by micro-batch (empty
-        on other ranks), detached."""
+        the same on every rank; ``schedule`` replaces the executor's for this step (another
+        number of micro-batches, for evaluation). Returns the losses of the last stage by
+        micro-batch (empty on other ranks), detached."""
         step = _Step(signatures, inputs, labels, train=backward is not None)
-        actions = self.schedule.actions[self.rank]
+        actions = (schedule or self.schedule).actions[self.rank]
         if backward is None:
             actions = tuple(a for a in actions if a.kind in FORWARD_ONLY)
         self.timeline = []
