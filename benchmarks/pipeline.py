@@ -14,23 +14,27 @@ model), three systems on the same layers, the same data and AdamW:
   rank per step (the same global batch), ``engine(x)`` / ``engine.backward`` / ``engine.step``.
 
 Every system starts from the same weights and sees the same micro-batches, so their losses
-must agree (the ``loss`` column). Time: one job (2 processes) per system and repeat, the
-systems interleaved; in each job, warm-up steps, then each step starts after a barrier and
-its time is the slowest rank's; a job's time is the median of its steps, the reported time
-the median over repeats. Memory: one more job per system with the saved-tensor tracker and
-glibc mapping every allocation >= 64 KiB on its own (so frees leave the resident set):
+must agree (the ``loss`` column). Time: one job (2 processes) per model and repeat holding
+all the systems, which take turns step by step in a rotating order (the machine's drifting
+load affects them alike); each step starts after a barrier and its time is the slower
+rank's. "step ms" is the median over repeats of each job's median step; "speed vs X" is
+paired: the median over every measured round of X's step time over the system's in the same
+round. Memory: one more job per system, alone in its processes, with the saved-tensor
+tracker and glibc mapping every allocation >= 64 KiB on its own (so frees leave the
+resident set):
 
-- ``saved``: the peak over the measured steps of the bytes of the storages that autograd
-  holds for backward (``saved_tensors_hooks``: a storage counts once from the first pack of
-  any tensor on it until the last packed reference is released; parameter storages are not
-  counted);
-- ``+p2p``: the same peak with the tensors handed to point-to-point ops (zerotrain's
+- ``saved-for-backward``: the peak over the measured steps of the bytes of the storages
+  that autograd holds for backward (``saved_tensors_hooks``: a storage counts once from the
+  first pack of any tensor on it until the last packed reference is released; parameter
+  storages are not counted);
+- ``saved + p2p``: the same peak with the tensors handed to point-to-point ops (zerotrain's
   ``Communicator.post``, PyTorch's ``schedules._batch_p2p``) counted as well, each storage
   from its post until the Python tensor object posted is freed (a storage counts once,
   whether saved, posted or both);
 - ``RSS growth``: peak resident memory during the measured steps above the resident memory
   before them (everything the step allocates: activations, buffers, temporaries);
-- ``peak RSS``: the process's resident high-water mark (includes ~240 MiB of torch).
+- ``peak RSS``: the resident high-water mark over the measured steps (includes ~240 MiB of
+  torch); ``model states``: params + grads + optimizer states (``memory_breakdown()``).
 
 The last part times same-host point-to-point transports: a ping-pong of one message between
 the 2 ranks through ``Communicator.post`` (tagged isend/irecv over gloo TCP, what the
