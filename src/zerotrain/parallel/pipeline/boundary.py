@@ -36,14 +36,18 @@ from zerotrain.parallel.pipeline.messages import Channel, TensorMeta
 
 @dataclass
 class Received:
-    """Buffers a receive writes into, and its handle."""
+    """Buffers a receive writes into, and its handle; or, when a description of the shapes
+    must arrive first, the description's handle and how to post the rest once it has."""
 
     handle: Handle
     tensors: list[torch.Tensor]
+    then: Callable[[], Received] | None = None
 
     def wait(self) -> list[torch.Tensor]:
         """The received tensors, once they arrived."""
         self.handle.wait()
+        if self.then is not None:
+            return self.then().wait()
         return self.tensors
 
 
@@ -70,6 +74,8 @@ class StageBoundaries:
         # the ones it knows (sent or received).
         self._described: set[tuple[int, int]] = set()
         self._known: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
+        # Descriptions on their way (their receive's handle and buffer).
+        self._pending: dict[tuple[int, int], tuple[Handle, torch.Tensor]] = {}
         self._in_flight: list[tuple[Handle, list[torch.Tensor]]] = []
 
     def begin_step(self, signatures: Sequence[int]) -> None:
@@ -123,19 +129,37 @@ class StageBoundaries:
         self._hold(self.comm.post(ops), held)
 
     def receive_activations(self, stage: int, m: int) -> Received:
-        """Post the receive of stage ``stage``'s inputs for micro-batch ``m`` (waiting only
-        for a description it needs first)."""
+        """Post the receive of stage ``stage``'s inputs for micro-batch ``m`` (never waits:
+        when their description must come first, the data's receive is posted once it
+        arrived, by ``Received.wait``)."""
         sender = stage - 1
-        peer = self._rank_of(sender)
         key = (sender, self._signatures[m])
-        if key not in self._known:
+        if key in self._known:
+            return self._receive_described(stage, m)
+        if key not in self._pending:
+            # The first micro-batch with these shapes: its description comes first.
             message = torch.empty(messages.DESCRIPTION_NUMEL, dtype=torch.int64)
             tag = messages.tag(Channel.DESCRIPTION, sender, m)
             label = f"stage {sender} description"
+            peer = self._rank_of(sender)
             op = P2POp.recv(message, peer, purpose="stage_shapes", label=label, tag=tag)
-            self.comm.post([op]).wait()
-            self._known[key] = messages.decode(message)
-        buffers = [meta.empty(self.comm.device) for meta in self._known[key]]
+            self._pending[key] = (self.comm.post([op]), message)
+        handle, message = self._pending[key]
+
+        def then() -> Received:
+            if key in self._pending:  # the first of the micro-batches waiting for it
+                handle.wait()
+                self._known[key] = messages.decode(self._pending.pop(key)[1])
+            return self._receive_described(stage, m)
+
+        return Received(handle, [], then)
+
+    def _receive_described(self, stage: int, m: int) -> Received:
+        sender = stage - 1
+        peer = self._rank_of(sender)
+        buffers = [
+            meta.empty(self.comm.device) for meta in self._known[(sender, self._signatures[m])]
+        ]
         ops = [
             P2POp.recv(
                 t,

@@ -30,6 +30,7 @@ from zerotrain.parallel.pipeline.schedule import Action, ActionType, PipelineSch
 from zerotrain.utils.invariant import InvariantError
 
 FORWARD_ONLY = (ActionType.FORWARD, ActionType.SEND_F, ActionType.RECV_F)
+_COMPUTE = (ActionType.FORWARD, ActionType.BACKWARD)
 
 
 class StageBackward(Protocol):
@@ -118,12 +119,38 @@ class PipelineExecutor:
             actions = tuple(a for a in actions if a.kind in FORWARD_ONLY)
         self.timeline = []
         self.boundaries.begin_step(signatures)
+        posted: set[int] = set()  # receives posted ahead of their place
         try:
-            for action in actions:
+            for i, action in enumerate(actions):
+                if i in posted:
+                    continue
+                if action.kind in _COMPUTE:
+                    self._post_next_receives(step, actions, i, posted)
                 self._run_action(step, action, backward, reduce_grad)
         finally:
             self.boundaries.finish_step()
         return step.losses
+
+    def _post_next_receives(
+        self, step: _Step, actions: Sequence[Action], i: int, posted: set[int]
+    ) -> None:
+        """Before compute action ``i``, post the receives the next compute action waits for,
+        so their data moves while this one computes instead of after it (a receive of
+        output gradients needs those outputs: one for the outputs action ``i`` is about to
+        produce stays where it is)."""
+        j = i + 1
+        while j < len(actions) and actions[j].kind not in _COMPUTE:
+            j += 1
+        for k in range(i + 1, j):
+            action = actions[k]
+            if action.kind is ActionType.RECV_F:
+                self._receive_activations(step, action)
+                posted.add(k)
+            elif action.kind is ActionType.RECV_B:
+                key = (action.stage, _micro(action))
+                if key in step.stage_outputs:
+                    self._receive_gradients(step, action)
+                    posted.add(k)
 
     def _run_action(
         self,
