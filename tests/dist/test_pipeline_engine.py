@@ -340,3 +340,51 @@ def test_a_config_key_the_module_was_built_without_is_refused():
     for message in run_distributed(_config_disagrees_with_module, 2, timeout=120):
         assert "pipeline.seed_layers=False" in message, message
         assert "seed_layers=True" in message, message
+
+
+def _runs_out_of_data() -> str:
+    run = PipeRun(3, "1f1b", zero_stage=1, micro_batches=4)
+    module = pipeline_module(3)
+    engine, _, _, _ = zerotrain.initialize(model=module, config=run.config(1))
+    batches = micro_batches(engine, 0, 4)
+    engine.train_batch(iter(batches))
+    try:
+        engine.train_batch(iter(batches[:3]))  # one micro-batch short
+    except StopIteration as stop:
+        return f"StopIteration: {stop}"
+    return "no error"
+
+
+def test_data_running_out_stops_every_stage_with_stop_iteration():
+    # The middle stage reads no data, yet learns of it and stops too (DeepSpeed's users
+    # end their loops on StopIteration).
+    results = run_distributed(_runs_out_of_data, 3, timeout=120, comm_timeout=20)
+    assert "ran out after 3 of the 4" in results[0], results
+    assert "ran out on pipeline stage(s) [0, 2]" in results[1], results
+    assert "ran out after 3 of the 4" in results[2], results
+
+
+def _fails_part_way() -> list[str]:
+    run = PipeRun(2, "1f1b", zero_stage=2, micro_batches=4)
+    module = pipeline_module(2)
+    engine, _, _, _ = zerotrain.initialize(model=module, config=run.config(1))
+    batches = micro_batches(engine, 0, 4)
+    if engine.is_last_stage():
+        labels = batches[2][1].clone()
+        labels[0, 0] = 10_000  # out of the vocabulary: cross-entropy raises in micro-batch 2
+        batches[2] = (batches[2][0], labels)
+    seen = []
+    for _ in range(2):
+        try:
+            engine.train_batch(iter(batches))
+        except Exception as err:
+            seen.append(f"{type(err).__name__}: {err}".splitlines()[0])
+    return seen
+
+
+def test_a_step_that_fails_part_way_refuses_the_next():
+    results = run_distributed(_fails_part_way, 2, timeout=120, comm_timeout=8)
+    for seen in results:
+        assert len(seen) == 2, seen
+        assert "cannot go on; restart from the last checkpoint" in seen[1], seen
+    assert "IndexError" in results[1][0] or "out of bounds" in results[1][0], results

@@ -77,8 +77,9 @@ def _match_model(state: TrainState, manifest: Manifest, path: Path, strict: bool
     # no rank of the job holds it, and every rank takes each decision alike (one raising
     # alone would leave the others waiting in the load's collectives).
     held = [float(n in ours) for n in theirs] + [float(len(missing)), float(len(wrong))]
-    counts = torch.tensor(held, dtype=torch.float64)
-    state.placement.world.all_reduce(counts, purpose="control")
+    world = state.placement.world
+    counts = torch.tensor(held, dtype=torch.float64, device=world.device)
+    world.all_reduce(counts, purpose="control")
     *held_by, missing_anywhere, wrong_anywhere = counts.tolist()
     if wrong_anywhere:
         shown = "; ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else "")

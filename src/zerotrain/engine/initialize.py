@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from zerotrain import checkpointing
-from zerotrain.comm.agreement import disagreements
+from zerotrain.comm.agreement import disagreements, failed_ranks
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import init_distributed
@@ -36,10 +36,10 @@ from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.engine.pipeline_engine import PipelineEngine
 from zerotrain.engine.pipeline_setup import (
-    check_built_as_configured,
+    check_tied_units,
     isolated_prefixes,
-    pipeline_schedule,
     pipeline_topology,
+    prepare_pipeline,
     tied_groups,
 )
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
@@ -78,9 +78,10 @@ def _refuse_unimplemented(cfg: ZeroTrainConfig) -> None:
         )
 
 
-def _check_same_model(comm: Communicator, model: nn.Module) -> None:
-    """Fail fast, naming the parameter, if ranks built different models: mismatched
-    collectives would hang or exchange the wrong values."""
+def _check_same_model(comm: Communicator, model: nn.Module, world: Communicator) -> None:
+    """Fail fast, naming the parameter, if the ranks of ``comm`` built different models:
+    mismatched collectives would hang or exchange the wrong values. Every rank of ``world``
+    stops together (pipeline stages compare within their own group)."""
     items = [
         (
             f"parameter #{k}",
@@ -89,11 +90,17 @@ def _check_same_model(comm: Communicator, model: nn.Module) -> None:
         for k, (name, p) in enumerate(model.named_parameters())
     ]
     differing = disagreements(comm, items)
+    failed = failed_ranks(world, bool(differing)) if world is not comm else []
     if differing:
         raise RuntimeError(
             f"rank {comm.rank}: the ranks built different models; every rank must construct "
             "the same model. Differing (parameters in registration order):\n  "
             + "\n  ".join(differing)
+        )
+    if failed:
+        raise RuntimeError(
+            f"rank {world.rank}: ranks {failed} built models that differ from their replicas' "
+            "(see their errors); every rank stops"
         )
 
 
@@ -255,9 +262,9 @@ def initialize(
     groups = ProcessGroups.build(topology, world)
     comm = groups.zero  # ZeRO shards and reduces over data x sequence
     policies = to_policies(cfg, groups.data.world_size)
-    if isinstance(model, PipelineModule):
-        explicit = set(cfg.pipeline.model_fields_set) if cfg.pipeline is not None else set()
-        check_built_as_configured(policies.pipeline, explicit, model)
+    pipe_module = model if isinstance(model, PipelineModule) else None
+    # A pipeline's schedule and checks come first: a refusal must not leave hooks behind.
+    schedule = prepare_pipeline(pipe_module, cfg, policies, env.device) if pipe_module else None
     telemetry = telemetry_policy(cfg)
     for member in groups.distinct():
         member.configure_logger(telemetry.comms)
@@ -268,10 +275,8 @@ def initialize(
     if precision.compute is not None:
         check_device_supports(precision.compute, env.device)
     zero = ZeroPolicy.for_stage(policies.training.stage)
-    pipe_module = model if isinstance(model, PipelineModule) else None
-    pipelined = pipe_module is not None
     # Every rank of a stage must hold the same layers (pipeline stages differ).
-    _check_same_model(comm if pipelined else world, model)
+    _check_same_model(comm if pipe_module is not None else world, model, world)
     # The ranks that start from the same values: every ZeRO replica and, while the tensor
     # axis replicates compute, every rank of a tensor group.
     replicas = [comm, *([groups.tensor] if groups.tensor.world_size > 1 else [])]
@@ -355,26 +360,19 @@ def initialize(
             drop_last=policies.training.drop_last,
             pin_memory=env.device.type == "cuda",
         )
-    engine = (PipelineEngine if pipelined else Engine)(
-        model,
-        env,
-        comm,
-        policies.training,
-        strategy,
-        opt,
-        scheduler,
-        precision,
-        telemetry,
-        estimate,
-        groups=groups,
-    )
-    engine.training_dataloader = loader
-    if isinstance(engine, PipelineEngine) and isinstance(model, PipelineModule):
-        schedule = pipeline_schedule(
-            policies.pipeline, model, policies.training.batch.gradient_accumulation_steps
+    engine_args = [model, env, comm, policies.training, strategy, opt, scheduler, precision]
+    engine_args += [telemetry, estimate]
+    if pipe_module is not None and schedule is not None:
+        check_tied_units(strategy, ties, world)
+        engine: Engine = PipelineEngine(
+            *engine_args, groups=groups, pipeline=policies.pipeline, schedule=schedule, ties=ties
         )
-        engine.setup_pipeline(policies.pipeline, schedule, ties)
-        log.info("pipeline: %s schedule; partition:\n%s", schedule.name, model.describe_partition())
+        log.info(
+            "pipeline: %s schedule; partition:\n%s", schedule.name, pipe_module.describe_partition()
+        )
+    else:
+        engine = Engine(*engine_args, groups=groups)
+    engine.training_dataloader = loader
     engine.checkpointed_blocks = wrapped_blocks
     engine.activation_checkpointing = checkpoint_context
     batch = policies.training.batch

@@ -36,11 +36,13 @@ from zerotrain.engine.engine import Engine
 from zerotrain.parallel.pipeline import messages
 from zerotrain.parallel.pipeline.builders import build_schedule
 from zerotrain.parallel.pipeline.executor import PipelineExecutor
+from zerotrain.parallel.pipeline.module import PipelineModule
 from zerotrain.parallel.pipeline.schedule import Action, ActionType, PipelineSchedule
 from zerotrain.parallel.pipeline.ties import TiedGroup, sum_gradient_slices
 from zerotrain.precision.casts import cast_floating
 
 _BACKWARDS = (ActionType.BACKWARD, ActionType.BACKWARD_INPUT)
+_RAN_OUT = 2  # a stage's failure code when its data iterator ran out (other failures: 1)
 
 
 class PipelineEngine(Engine):
@@ -48,24 +50,37 @@ class PipelineEngine(Engine):
     for a ``PipelineModule``. Train with :meth:`train_batch` (``forward``/``backward``/
     ``step`` work only with a single stage)."""
 
-    def setup_pipeline(
-        self, pipeline: PipelinePolicy, schedule: PipelineSchedule, ties: list[TiedGroup]
+    def __init__(
+        self,
+        *args: Any,
+        pipeline: PipelinePolicy,
+        schedule: PipelineSchedule,
+        ties: Sequence[TiedGroup],
+        **kwargs: Any,
     ) -> None:
-        """Attach the schedule and tie groups (called once by ``initialize``)."""
+        """As :class:`Engine`, plus the pipeline policy, this job's schedule (with
+        communication) and the tie groups this rank is in."""
+        super().__init__(*args, **kwargs)
         self.pipeline = pipeline
         self.schedule = schedule
-        self.ties = ties
-        self.executor = PipelineExecutor(
-            self.module, self.groups.pipe, schedule, getattr(self.module, "loss_fn", None)
-        )
+        self.ties = list(ties)
+        if not isinstance(self.module, PipelineModule):
+            raise TypeError(
+                f"a PipelineEngine trains a PipelineModule, got {type(self.module).__name__}"
+            )
+        self.executor = PipelineExecutor(self.module, self.groups.pipe, schedule)
         mine = schedule.actions[self.groups.pipe.rank]
         backwards = [a for a in mine if a.kind in _BACKWARDS]
         self._last_backward = backwards[-1] if backwards else None
         reduces = [a for a in mine if a.kind is ActionType.REDUCE_GRAD]
         self._last_reduce = reduces[-1] if reduces else None
         self._first_local_stage = self.groups.pipe.rank
+        self._pipe_device = self.groups.pipe.device
         self._data_iterator: Iterator[Any] | None = None
-        for group in ties:
+        # Why an earlier step failed part-way: messages and gradients are then in an unknown
+        # state, so later steps are refused.
+        self._failed: str | None = None
+        for group in self.ties:
             if not group.owner:
                 self.strategy.exclude_from_norm(self.strategy.units_under(group.prefix))
 
@@ -137,7 +152,8 @@ class PipelineEngine(Engine):
             try:
                 batch = next(source)
             except StopIteration:
-                raise ValueError(
+                # StopIteration still, as DeepSpeed's users catch it to end their loop.
+                raise StopIteration(
                     f"the data iterator ran out after {m} of the {count} micro-batches of a "
                     "step (gradient_accumulation_steps)"
                 ) from None
@@ -153,24 +169,42 @@ class PipelineEngine(Engine):
         self, data_iter: Iterable[Any] | None, count: int
     ) -> tuple[list[Any] | None, list[Any] | None, list[int]]:
         """``count`` micro-batches: only the first and last stages read data; every stage
-        learns the shapes' fingerprints (one broadcast from the first stage)."""
+        learns the shapes' fingerprints and whether reading failed anywhere (one small
+        all-reduce over the pipe group), so a stage that ran out of data or read a
+        malformed batch stops every stage, instead of leaving the others waiting."""
         inputs = labels = None
-        if self.is_first_stage() or self.is_last_stage():
-            batches = self._next_batches(data_iter, count)
-            if self.is_first_stage():
-                inputs = [b[0] for b in batches]
-                dtype = self.precision.compute
-                if dtype is not None and self.precision.cast_inputs:
-                    inputs = [cast_floating(x, dtype) for x in inputs]  # as engine(...) does
-            if self.is_last_stage():
-                labels = [b[1] for b in batches]
-        codes = torch.zeros(count, dtype=torch.int64, device=self.groups.pipe.device)
-        if inputs is not None:
-            for m, x in enumerate(inputs):
-                codes[m] = messages.signature(messages.as_tensors(x, f"micro-batch {m}'s inputs"))
+        codes = torch.zeros(count + self.num_stages, dtype=torch.int64, device=self._pipe_device)
+        error: BaseException | None = None
+        try:
+            if self.is_first_stage() or self.is_last_stage():
+                batches = self._next_batches(data_iter, count)
+                if self.is_first_stage():
+                    inputs = [b[0] for b in batches]
+                    dtype = self.precision.compute
+                    if dtype is not None and self.precision.cast_inputs:
+                        inputs = [cast_floating(x, dtype) for x in inputs]  # as engine(x) does
+                    for m, x in enumerate(inputs):
+                        where = f"micro-batch {m}'s inputs"
+                        codes[m] = messages.signature(messages.as_tensors(x, where))
+                if self.is_last_stage():
+                    labels = [b[1] for b in batches]
+        except (StopIteration, ValueError, TypeError) as exc:
+            error = exc
+            codes[count + self.stage_id] = _RAN_OUT if isinstance(exc, StopIteration) else 1
         if self.num_stages > 1:
-            self.groups.pipe.broadcast(codes, src=0, purpose="control")
-        return inputs, labels, [int(c) for c in codes.tolist()]
+            self.groups.pipe.all_reduce(codes, purpose="control")
+        failed = [s for s in range(self.num_stages) if codes[count + s]]
+        if error is not None:
+            raise error
+        if any(codes[count + s] == _RAN_OUT for s in failed):
+            raise StopIteration(f"the data ran out on pipeline stage(s) {failed}")
+        if failed:
+            raise RuntimeError(
+                f"pipeline stage(s) {failed} could not read this step's micro-batches (see "
+                "their error: the data ran out, or a batch was not an (inputs, labels) pair "
+                "of tensors); every stage stops"
+            )
+        return inputs, labels, [int(c) for c in codes[:count].tolist()]
 
     def train_batch(self, data_iter: Iterable[Any] | None = None) -> torch.Tensor:
         """Train on one batch: ``gradient_accumulation_steps`` micro-batches through every
@@ -182,6 +216,7 @@ class PipelineEngine(Engine):
                 stage (inputs) and the last (labels). Default: ``training_data`` given to
                 initialize (repeated), or ``set_dataiterator``.
         """
+        self._refuse_after_failure()
         self.module.train()
         count = self.policy.batch.gradient_accumulation_steps
         inputs, labels, signatures = self._micro_batches(data_iter, count)
@@ -193,6 +228,9 @@ class PipelineEngine(Engine):
             losses = self.executor.run(
                 inputs, labels, signatures, backward=self._backward, reduce_grad=self._reduce
             )
+        except BaseException as exc:
+            self._fail(exc)
+            raise
         finally:
             self.strategy.set_requires_gradient_sync(True)
             self.strategy.set_is_last_backward(None)
@@ -264,6 +302,19 @@ class PipelineEngine(Engine):
         return build_schedule(
             name, self.num_stages, count, self.schedule.virtual_stages
         ).with_communication()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step failed part-way: drop this window's gradients and refuse later steps."""
+        self._failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        self.strategy.abort_backward()
+
+    def _refuse_after_failure(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"an earlier train_batch/eval_batch failed part-way ({self._failed}): the "
+                "pipeline's messages and this step's gradients are in an unknown state, so "
+                "this engine cannot go on; restart from the last checkpoint"
+            )
 
     def _batch_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
         """The last stage's mean loss, averaged over its data-parallel group, on every

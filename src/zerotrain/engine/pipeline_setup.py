@@ -4,10 +4,15 @@ copies of a tied module get a group each, with equal starting values."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
+from zerotrain.comm.agreement import failed_ranks
 from zerotrain.comm.collectives import Communicator
-from zerotrain.config.policies import PipelinePolicy
+from zerotrain.config.policies import PipelinePolicy, Policies
+from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.parallel.pipeline.builders import build_schedule
 from zerotrain.parallel.pipeline.schedule import ActionType, PipelineSchedule
 from zerotrain.parallel.pipeline.ties import (
@@ -17,6 +22,7 @@ from zerotrain.parallel.pipeline.ties import (
     build_tied_groups,
 )
 from zerotrain.parallel.topology import Topology
+from zerotrain.zero.strategy import ZeroStrategy
 
 if TYPE_CHECKING:
     from zerotrain.parallel.pipeline.module import PipelineModule
@@ -74,12 +80,14 @@ def check_built_as_configured(
         ValueError: naming the key, both values and how to fix it.
     """
     resolved = {
-        "partition": policy.partition_method,
+        "partition": policy.partition_method.lower(),
         "seed_layers": policy.seed_layers,
         "activation_checkpoint_interval": policy.activation_checkpoint_interval,
     }
     for key, attribute in _BUILT_WITH.items():
         built = getattr(module, attribute)
+        if key == "partition":
+            built = built.lower()  # method names are case-insensitive
         if key in explicit and resolved[key] != built:
             raise ValueError(
                 f"pipeline.{key}={resolved[key]!r} in the config, but the PipelineModule was "
@@ -87,6 +95,69 @@ def check_built_as_configured(
                 f"(it acts while the layers are built), so pass {attribute}="
                 f"{resolved[key]!r} to PipelineModule or drop the key from the config"
             )
+
+
+def prepare_pipeline(
+    module: PipelineModule, cfg: ZeroTrainConfig, policies: Policies, device: torch.device
+) -> PipelineSchedule:
+    """Everything about a pipeline that can be checked before the model is touched, and
+    its schedule (identical on every rank, so every rank raises alike).
+
+    Raises:
+        ValueError / NotImplementedError: a config the module or this version cannot run.
+    """
+    explicit = set(cfg.pipeline.model_fields_set) if cfg.pipeline is not None else set()
+    check_built_as_configured(policies.pipeline, explicit, module)
+    if device.type != "cpu":
+        # NCCL ignores p2p tags, so messages between two ranks would match in posting
+        # order, which the executor does not keep (it posts receives ahead); not validated
+        # on GPUs yet.
+        raise NotImplementedError(
+            f"pipeline parallelism on {device.type}: validated on CPU ranks (gloo) only so "
+            "far; NCCL matches point-to-point messages by order, not tag"
+        )
+    offload = cfg.zero_optimization.offload_optimizer.device
+    if offload == "nvme" and any(module.tied_keys_of_stage(s) for s in range(module.num_stages)):
+        raise NotImplementedError(
+            "offload_optimizer.device=nvme with tied pipeline layers (TiedLayerSpec): the "
+            "copies' gradient slices are summed in memory, and NVMe offload streams them to "
+            "disk; use cpu offload, or untie the layers"
+        )
+    return pipeline_schedule(
+        policies.pipeline, module, policies.training.batch.gradient_accumulation_steps
+    )
+
+
+def check_tied_units(
+    strategy: ZeroStrategy, ties: Sequence[TiedGroup], world: Communicator
+) -> None:
+    """Each tied module's parameters must fill units of their own (so the copies' slices
+    line up); ``stage3_unit_classes`` can put them beside other parameters. Every rank
+    raises alike.
+
+    Raises:
+        ValueError: naming the tie key and what to change.
+    """
+    problems = []
+    for group in ties:
+        own = strategy.units_under(group.prefix)
+        held = {p.fqn for k in own for p in strategy.units[k].buffer.layout.params}
+        every = {
+            p.fqn
+            for unit in strategy.units
+            for p in unit.buffer.layout.params
+            if p.fqn.startswith(group.prefix)
+        }
+        if not own or held != every:
+            problems.append(group.key)
+    failed = failed_ranks(world, bool(problems))
+    if failed:
+        raise ValueError(
+            f"tied pipeline layer(s) {problems or '(on other ranks)'}: their parameters share "
+            f"a ZeRO unit with other parameters on rank(s) {failed}, so the stages' copies "
+            "cannot be summed slice by slice; drop zero_optimization.stage3_unit_classes "
+            "for a PipelineModule (its layers and tied modules are the units already)"
+        )
 
 
 def pipeline_schedule(

@@ -1,7 +1,8 @@
 """A small byte-level GPT: the model of the demo, the tests and the benchmarks.
 
-Plain PyTorch (nothing zerotrain-specific), in the style of nanoGPT: pre-norm blocks with
-causal self-attention, an MLP, and an output head tied to the token embedding.
+Plain PyTorch in the style of nanoGPT: pre-norm blocks with causal self-attention, an MLP,
+and an output head tied to the token embedding (the ``GPT`` class uses nothing of
+zerotrain).
 ``gpt_pipeline_layers`` writes the same model as a layer list for ``zerotrain.pipe``'s
 ``PipelineModule``, DeepSpeed's pipeline-parallel style.
 """

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from zerotrain.comm.collectives import Communicator
 from zerotrain.parallel.pipeline import messages
@@ -31,6 +30,24 @@ from zerotrain.utils.invariant import InvariantError
 
 FORWARD_ONLY = (ActionType.FORWARD, ActionType.SEND_F, ActionType.RECV_F)
 _COMPUTE = (ActionType.FORWARD, ActionType.BACKWARD)
+
+
+class StageModule(Protocol):
+    """What the executor needs of a stage module (``PipelineModule`` is one)."""
+
+    loss_fn: Callable[..., Any] | None
+
+    def __call__(self, x: Any, chunk: int = 0) -> Any:
+        """Run the rank's local chunk ``chunk`` on ``x``."""
+        ...
+
+    def chunk_layers(self, chunk: int) -> range:
+        """Global layer indices of (global) chunk ``chunk``."""
+        ...
+
+    def describe_layer(self, idx: int) -> str:
+        """How messages name global layer ``idx``."""
+        ...
 
 
 class StageBackward(Protocol):
@@ -68,15 +85,13 @@ class PipelineExecutor:
             global layer indices of a stage (for error messages).
         comm: the ranks of this pipeline, in stage order.
         schedule: the instruction lists, with communication actions.
-        loss_fn: ``loss_fn(outputs, labels)`` on the last stage.
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        module: StageModule,
         comm: Communicator,
         schedule: PipelineSchedule,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     ) -> None:
         if schedule.num_ranks != comm.world_size:
             raise ValueError(
@@ -85,7 +100,7 @@ class PipelineExecutor:
         self.module = module
         self.comm = comm
         self.schedule = schedule
-        self.loss_fn = loss_fn
+        self.loss_fn = module.loss_fn
         self.rank = comm.rank
         self.last_stage = schedule.num_stages - 1
         # (action, start, end) of each compute action of the last step, in time.monotonic()
@@ -186,11 +201,8 @@ class PipelineExecutor:
     # -- compute ----------------------------------------------------------------------------
 
     def _layer_name(self, stage: int) -> str:
-        layers = self.module.chunk_layers(stage)  # type: ignore[operator]
-        last = layers[-1] if len(layers) else None
-        built = getattr(self.module, str(last), None) if last is not None else None
-        what = f" ({type(built).__name__})" if isinstance(built, nn.Module) else ""
-        return f"pipeline stage {stage}: layer {last}{what}, the last of the stage,"
+        last = self.module.chunk_layers(stage)[-1]
+        return f"pipeline stage {stage}: {self.module.describe_layer(last)}, the last of the stage,"
 
     def _stage_inputs(self, step: _Step, stage: int, m: int) -> list[torch.Tensor]:
         if stage == 0:

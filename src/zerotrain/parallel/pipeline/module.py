@@ -306,6 +306,10 @@ class PipelineModule(nn.Module):
         """Global chunk ids on this rank; ``forward(x, chunk=k)`` runs the k-th."""
         return self.stage_chunks(self._stage)
 
+    def describe_layer(self, idx: int) -> str:
+        """``"layer 5 (GPTBlock)"``: how messages name global layer ``idx``."""
+        return f"layer {idx} ({self._entries[idx].name})"
+
     def chunk_layers(self, chunk: int) -> range:
         """Global layer indices of global chunk ``chunk`` (any rank's)."""
         if not 0 <= chunk < len(self.parts) - 1:

@@ -65,8 +65,9 @@ class TiedLayerSpec(LayerSpec):
     """A layer whose module is shared by every occurrence with the same ``key``.
 
     The module is built once per stage that holds an occurrence (an input embedding on the
-    first stage and the output head reusing its weight on the last, say); the executor keeps
-    the ``tied_weight_attr`` parameters of those copies equal by summing their gradients.
+    first stage and the output head reusing its weight on the last, say); the engine keeps
+    every parameter of those copies equal by summing their gradients after each backward
+    (DeepSpeed sums only ``tied_weight_attr``; the others would drift apart between copies).
 
     Args:
         key: the name the occurrences share.
