@@ -80,6 +80,9 @@ class FullGradients:
         # param.grad must have the parameter's dtype: views only when the buffer has it.
         self.views = self.flat.dtype == buffer.dtype
         self.shard = self.flat[owned[0] : owned[1]]
+        # Each parameter's view of the buffer, made once: every backward pass attaches them
+        # (a pipeline's, once per micro-batch) and every gradient hook compares with them.
+        self._param_views = [buffer.view(self.flat, i) for i in range(len(buffer.params))]
         # Stage 1 keeps whole gradients, which stay in memory even under NVMe offload.
         self.slot: SlotStorage = ResidentSlot(self.shard)
         # Gradients from before the engine existed are not part of any window.
@@ -96,8 +99,8 @@ class FullGradients:
 
     def bind(self) -> None:
         """Point every ``param.grad`` at its view of the buffer (when dtypes allow)."""
-        for i, param in enumerate(self.buffer.params):
-            param.grad = self.buffer.view(self.flat, i) if self.views else None
+        for param, view in zip(self.buffer.params, self._param_views, strict=True):
+            param.grad = view if self.views else None
 
     def attach(self) -> None:
         """Before the engine's own backward: fold gradients left in ``param.grad`` by
@@ -105,8 +108,7 @@ class FullGradients:
         would accumulate them, then let autograd accumulate into the buffer's views."""
         if not self.views:
             return  # autograd adds to what param.grad holds; accept() folds the sum in
-        for i, param in enumerate(self.buffer.params):
-            view = self.buffer.view(self.flat, i)
+        for param, view in zip(self.buffer.params, self._param_views, strict=True):
             outside = param.grad
             if outside is not None and outside.data_ptr() != view.data_ptr():
                 view.add_(outside)
@@ -127,7 +129,7 @@ class FullGradients:
         (``model.zero_grad()`` sets it to None, after which autograd allocates a fresh
         tensor), fold that tensor in."""
         param = self.buffer.params[index]
-        view = self.buffer.view(self.flat, index)
+        view = self._param_views[index]
         current = param.grad
         if current is not None and current.data_ptr() == view.data_ptr():
             return
