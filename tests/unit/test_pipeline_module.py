@@ -398,3 +398,11 @@ def test_gpt_first_stage_checkpoints_with_token_ids_as_input() -> None:
     assert all(g is not None for g in grads[1].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_a_launched_process_without_its_group_is_told_to_initialize_first(monkeypatch):
+    # torchrun started 2 processes but the process group is not up: building a stage now
+    # would take this process for rank 0 of 1.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"zerotrain.init_distributed\(\) first"):
+        PipelineModule([LayerSpec(nn.Linear, 2, 2), LayerSpec(nn.Linear, 2, 2)], num_stages=2)

@@ -156,7 +156,19 @@ def init_distributed(timeout: datetime.timedelta | float | None = None) -> DistE
 def current_rank_and_world() -> tuple[int, int]:
     """``(rank, world_size)`` of this process in the default process group, or ``(0, 1)``
     when there is none, so that code which places work by rank (a pipeline stage building
-    its layers) runs unchanged in one process without a group."""
+    its layers) runs unchanged in one process without a group.
+
+    Raises:
+        RuntimeError: a launcher started several processes (``WORLD_SIZE`` > 1) but the
+            process group is not set up yet: the answer would be wrong.
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        raise RuntimeError(
+            f"this process is one of WORLD_SIZE={launched}, but the process group is not set "
+            "up yet: call zerotrain.init_distributed() first (DeepSpeed: "
+            "deepspeed.init_distributed()), e.g. before building a PipelineModule"
+        )
     return 0, 1
