@@ -388,3 +388,23 @@ def test_a_step_that_fails_part_way_refuses_the_next():
         assert len(seen) == 2, seen
         assert "cannot go on; restart from the last checkpoint" in seen[1], seen
     assert "IndexError" in results[1][0] or "out of bounds" in results[1][0], results
+
+
+def _parameter_gathers(reshard: bool) -> dict:
+    run = PipeRun(2, "1f1b", zero_stage=3, micro_batches=4, reshard_after_forward=reshard)
+    engine, _, _, _ = zerotrain.initialize(model=pipeline_module(2), config=run.config(2))
+    engine.train_batch(iter(micro_batches(engine, 0, 4)))
+    engine.reset_comm_stats()
+    engine.train_batch(iter(micro_batches(engine, 1, 4)))
+    gathers = engine.comm_stats().get(op="all_gather", purpose="parameters")
+    return {"calls": gathers.calls, "units": len(engine.strategy.units)}
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_stage3_reshard_after_forward_decides_how_often_a_stage_is_gathered(reshard):
+    for got in run_distributed(_parameter_gathers, 4, reshard, timeout=180):
+        if reshard:
+            # Every unit before each micro-batch's forward and again for its backward.
+            assert got["calls"] == 2 * 4 * got["units"], got
+        else:
+            assert got["calls"] == got["units"], got  # once for the whole step
