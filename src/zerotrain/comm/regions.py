@@ -1,0 +1,157 @@
+"""Collectives as autograd functions: the edges of tensor- and sequence-parallel regions.
+
+A tensor-parallel block (Megatron's) enters its region with :func:`copy_to_group`
+(identity forward; the input's gradient is summed over the group backward, because every
+rank's shard of the next layer used the whole input) and leaves it with
+:func:`reduce_from_group` (the partial outputs are summed forward; the gradient passes
+through). With sequence parallelism the all-reduces become :func:`reduce_scatter_along` on
+the way out (each rank keeps its slice of the sequence) and :func:`all_gather_along` on the
+way in, whose backward passes are each other. :func:`gather_along` / :func:`scatter_along`
+move between a tensor split along a dimension and the whole tensor (a column-parallel
+layer's output, a row-parallel layer's input).
+
+Every function takes the group's :class:`Communicator`; on a group of one rank each is the
+identity. Traffic is counted as ``activations`` forward and ``activation_gradients``
+backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerotrain.comm.collectives import Communicator
+
+FORWARD, BACKWARD = "activations", "activation_gradients"
+
+
+def _all_reduce(x: torch.Tensor, comm: Communicator, purpose: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce(out, purpose=purpose)
+    return out
+
+
+def _all_gather(x: torch.Tensor, comm: Communicator, dim: int, purpose: str) -> torch.Tensor:
+    shard = x.contiguous()
+    stacked = torch.empty((comm.world_size, *shard.shape), dtype=shard.dtype, device=shard.device)
+    comm.all_gather_into(stacked, shard, purpose=purpose)
+    return torch.cat(stacked.unbind(0), dim=dim)
+
+
+def _own_chunk(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    size = x.shape[dim]
+    if size % comm.world_size:
+        raise ValueError(
+            f"dimension {dim} of size {size} does not split evenly over the {comm.world_size} "
+            "ranks of the group; pad it to a multiple"
+        )
+    return x.chunk(comm.world_size, dim=dim)[comm.rank].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int, purpose: str) -> torch.Tensor:
+    _own_chunk(x, comm, dim)  # checks the split
+    stacked = torch.stack(x.chunk(comm.world_size, dim=dim)).contiguous()
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, stacked, purpose=purpose)
+    return out
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.comm, BACKWARD), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return _all_reduce(x, comm, FORWARD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _all_gather(x, comm, dim, FORWARD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _own_chunk(grad, ctx.comm, ctx.dim), None, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _own_chunk(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.comm, ctx.dim, BACKWARD), None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _reduce_scatter(x, comm, dim, FORWARD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.comm, ctx.dim, BACKWARD), None, None
+
+
+class _AllGatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _all_gather(x, comm, dim, FORWARD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.comm, ctx.dim, BACKWARD), None, None
+
+
+def copy_to_group(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Enter a tensor-parallel region: identity; backward sums the gradient over the group
+    (Megatron's ``f``)."""
+    return x if comm.world_size == 1 else _CopyToGroup.apply(x, comm)
+
+
+def reduce_from_group(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Leave a tensor-parallel region: sum the ranks' partial results; backward passes the
+    gradient through (Megatron's ``g``)."""
+    return x if comm.world_size == 1 else _ReduceFromGroup.apply(x, comm)
+
+
+def gather_along(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
+    """Concatenate the ranks' slices along ``dim``; backward keeps this rank's slice."""
+    return x if comm.world_size == 1 else _GatherAlong.apply(x, comm, dim)
+
+
+def scatter_along(x: torch.Tensor, comm: Communicator, dim: int = -1) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (even split); backward gathers."""
+    return x if comm.world_size == 1 else _ScatterAlong.apply(x, comm, dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, comm: Communicator, dim: int = 0) -> torch.Tensor:
+    """Sum over the group and keep this rank's slice along ``dim`` (sequence parallelism's
+    exit from a tensor-parallel region); backward all-gathers."""
+    return x if comm.world_size == 1 else _ReduceScatterAlong.apply(x, comm, dim)
+
+
+def all_gather_along(x: torch.Tensor, comm: Communicator, dim: int = 0) -> torch.Tensor:
+    """Concatenate the ranks' slices along ``dim`` (sequence parallelism's entry into a
+    tensor-parallel region); backward reduce-scatters, since every rank's region used the
+    whole tensor."""
+    return x if comm.world_size == 1 else _AllGatherAlong.apply(x, comm, dim)

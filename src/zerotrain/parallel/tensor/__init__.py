@@ -1,0 +1,17 @@
+"""Tensor parallelism: Megatron's column-, row- and vocabulary-parallel layers and the
+vocabulary-parallel cross-entropy; their collectives are the autograd functions of
+``zerotrain.comm.regions``."""
+
+from zerotrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from zerotrain.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+]

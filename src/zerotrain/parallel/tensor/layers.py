@@ -1,0 +1,196 @@
+"""Megatron-style tensor-parallel layers: each rank holds a slice of one weight.
+
+``ColumnParallelLinear`` splits the output features (rows of ``weight``) over the tensor
+group: each rank computes its slice of the output from the whole input. ``RowParallelLinear``
+splits the input features (columns of ``weight``): each rank multiplies its slice of the
+input and the partial outputs are summed. A column layer followed by a row layer (an MLP,
+attention's QKV and output projections) needs one sum forward and one backward: the input
+enters the region with ``copy_to_group`` and leaves it with ``reduce_from_group``.
+``VocabParallelEmbedding`` splits the vocabulary: each rank looks up the ids in its range
+and the rows are summed (zeros elsewhere).
+
+Every layer is built from the dense module it replaces (``from_dense``), so a model is made
+tensor-parallel without rewriting it and its values equal the dense model's. Splits must be
+even: a dimension not divisible by the group size is an error naming the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotrain.comm.collectives import Communicator
+from zerotrain.comm.regions import (
+    copy_to_group,
+    gather_along,
+    reduce_from_group,
+    scatter_along,
+)
+
+
+def _split_size(size: int, comm: Communicator, what: str) -> int:
+    if size % comm.world_size:
+        raise ValueError(
+            f"{what} = {size} does not split evenly over a tensor-parallel group of "
+            f"{comm.world_size}; use a degree that divides it"
+        )
+    return size // comm.world_size
+
+
+def _slice(tensor: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    return tensor.detach().chunk(comm.world_size, dim=dim)[comm.rank].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s output rows (and ``b``) split over the group.
+
+    Args:
+        in_features, out_features: of the whole layer.
+        comm: the tensor-parallel group.
+        bias: whether the layer has a bias (split like the output).
+        gather_output: concatenate the ranks' output slices (else each rank keeps its own,
+            the input a row-parallel layer expects).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        bias: bool = True,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.gather_output = comm, gather_output
+        local = _split_size(out_features, comm, "ColumnParallelLinear out_features")
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
+
+    @classmethod
+    def from_dense(
+        cls, linear: nn.Linear, comm: Communicator, gather_output: bool = False
+    ) -> ColumnParallelLinear:
+        """This rank's slice of ``linear`` (same values)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            comm,
+            linear.bias is not None,
+            gather_output,
+        ).to(device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(_slice(linear.weight, comm, 0))
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.copy_(_slice(linear.bias, comm, 0))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_group(x, self.comm), self.weight, self.bias)
+        return gather_along(y, self.comm, -1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(this rank: {self.weight.shape[0]}), tensor_parallel={self.comm.world_size}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s input columns split over the group; ``b`` is whole
+    and added once, after the partial outputs are summed.
+
+    Args:
+        in_features, out_features: of the whole layer.
+        comm: the tensor-parallel group.
+        bias: whether the layer has a bias.
+        input_is_parallel: the input is already this rank's slice of the features (a
+            column-parallel layer's output); else it is whole and sliced here.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.input_is_parallel = comm, input_is_parallel
+        local = _split_size(in_features, comm, "RowParallelLinear in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    @classmethod
+    def from_dense(
+        cls, linear: nn.Linear, comm: Communicator, input_is_parallel: bool = True
+    ) -> RowParallelLinear:
+        """This rank's slice of ``linear`` (same values)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            comm,
+            linear.bias is not None,
+            input_is_parallel,
+        ).to(device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(_slice(linear.weight, comm, 1))
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_along(x, self.comm, -1)
+        y = reduce_from_group(F.linear(x, self.weight), self.comm)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, tensor_parallel={self.comm.world_size}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are split over the group: rank r holds ids
+    ``[r * V/t, (r + 1) * V/t)``, looks up the ids in its range, writes zeros for the
+    others, and the ranks' rows are summed."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Communicator) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.comm = num_embeddings, embedding_dim, comm
+        local = _split_size(num_embeddings, comm, "VocabParallelEmbedding num_embeddings")
+        self.start = comm.rank * local
+        self.end = self.start + local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, comm: Communicator) -> VocabParallelEmbedding:
+        """This rank's rows of ``embedding`` (same values)."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None:
+            raise ValueError(
+                "VocabParallelEmbedding: padding_idx and max_norm are not supported (the "
+                "embedding to split has them)"
+            )
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, comm).to(
+            device=embedding.weight.device, dtype=embedding.weight.dtype
+        )
+        with torch.no_grad():
+            layer.weight.copy_(_slice(embedding.weight, comm, 0))
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(rows, self.comm)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (this rank: ids {self.start}.."
+            f"{self.end - 1}), tensor_parallel={self.comm.world_size}"
+        )
