@@ -6,9 +6,10 @@ rank's shard of the next layer used the whole input) and leaves it with
 :func:`reduce_from_group` (the partial outputs are summed forward; the gradient passes
 through). With sequence parallelism the all-reduces become :func:`reduce_scatter_along` on
 the way out (each rank keeps its slice of the sequence) and :func:`all_gather_along` on the
-way in, whose backward passes are each other. :func:`gather_along` / :func:`scatter_along`
-move between a tensor split along a dimension and the whole tensor (a column-parallel
-layer's output, a row-parallel layer's input).
+way in, whose backward passes are each other; Ulysses sequence parallelism swaps a
+sequence split for a head split with :func:`all_to_all_along`. :func:`gather_along` /
+:func:`scatter_along` move between a tensor split along a dimension and the whole tensor
+(a column-parallel layer's output, a row-parallel layer's input).
 
 Every function takes the group's :class:`Communicator`; on a group of one rank each is the
 identity. Traffic is counted as ``activations`` forward and ``activation_gradients``
@@ -55,6 +56,30 @@ def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int, purpose: str)
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
     comm.reduce_scatter(out, stacked, purpose=purpose)
     return out
+
+
+def _all_to_all(
+    x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int, purpose: str
+) -> torch.Tensor:
+    _own_chunk(x, comm, scatter_dim)  # checks the split
+    send = torch.stack(x.chunk(comm.world_size, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, purpose=purpose)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAllAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int
+    ) -> torch.Tensor:
+        ctx.comm, ctx.dims = comm, (scatter_dim, gather_dim)
+        return _all_to_all(x, comm, scatter_dim, gather_dim, FORWARD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.comm, gather_dim, scatter_dim, BACKWARD), None, None, None
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -148,6 +173,19 @@ def reduce_scatter_along(x: torch.Tensor, comm: Communicator, dim: int = 0) -> t
     """Sum over the group and keep this rank's slice along ``dim`` (sequence parallelism's
     exit from a tensor-parallel region); backward all-gathers."""
     return x if comm.world_size == 1 else _ReduceScatterAlong.apply(x, comm, dim)
+
+
+def all_to_all_along(
+    x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int
+) -> torch.Tensor:
+    """Split ``x`` evenly along ``scatter_dim``, send part j to rank j, and concatenate what
+    every rank sent here along ``gather_dim`` in rank order (Ulysses' exchange: a slice of
+    the sequence with every head becomes the whole sequence with a slice of the heads);
+    backward runs the inverse exchange."""
+    if comm.world_size == 1:
+        return x
+    result: torch.Tensor = _AllToAllAlong.apply(x, comm, scatter_dim, gather_dim)
+    return result
 
 
 def all_gather_along(x: torch.Tensor, comm: Communicator, dim: int = 0) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""Ulysses sequence parallelism: attention over a sequence split across ranks.
+
+Each rank of the sequence group holds a slice of the sequence for every head. Before
+attention, one all-to-all per input turns that into the whole sequence for a slice of the
+heads, so any local attention (causal, flash, with masks) runs unchanged on whole sequences;
+one all-to-all afterwards turns the result back. Per rank and layer that moves
+``4 x b*s*h*(P-1)/P^2`` elements each way (q, k, v and the output), independent of how
+attention itself is computed.
+
+``DistributedAttention`` keeps DeepSpeed's signature (``local_attention``, the group,
+``scatter_idx=2`` for the heads, ``gather_idx=0`` for the sequence, inputs shaped
+``[s/P, b, h, d]``), with a ``Communicator`` for the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerotrain.comm.collectives import Communicator
+from zerotrain.comm.regions import all_to_all_along
+
+
+class DistributedAttention(nn.Module):
+    """Run ``local_attention`` on whole sequences with a slice of the heads.
+
+    Args:
+        local_attention: ``f(q, k, v, *args, **kwargs)`` on tensors laid out like the inputs
+            but with the whole sequence along ``gather_idx`` and ``h / P`` heads along
+            ``scatter_idx``.
+        sequence_group: the ranks the sequence is split over.
+        scatter_idx: the heads' dimension of the inputs.
+        gather_idx: the sequence's dimension of the inputs.
+
+    Raises (when called):
+        ValueError: heads not divisible by the group size (a clear error naming both).
+    """
+
+    def __init__(
+        self,
+        local_attention: Callable[..., torch.Tensor],
+        sequence_group: Communicator,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+    ) -> None:
+        super().__init__()
+        self.local_attention = local_attention
+        self.comm = sequence_group
+        self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        degree = self.comm.world_size
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            heads = t.shape[self.scatter_idx]
+            if heads % degree:
+                raise ValueError(
+                    f"DistributedAttention: {name} has {heads} heads along dimension "
+                    f"{self.scatter_idx}, not divisible by the sequence-parallel degree "
+                    f"{degree}"
+                )
+        q, k, v = (
+            all_to_all_along(t, self.comm, self.scatter_idx, self.gather_idx)
+            for t in (query, key, value)
+        )
+        context = self.local_attention(q, k, v, *args, **kwargs)
+        return all_to_all_along(context, self.comm, self.gather_idx, self.scatter_idx)
