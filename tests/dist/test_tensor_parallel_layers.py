@@ -4,7 +4,10 @@ Each case builds a dense module, cuts it into this rank's slices with ``from_den
 checks on 2 and 4 ranks (gloo) that the outputs, the input gradients and every slice's
 weight gradients equal the dense module's (the matching slice), and that the sums cross the
 group as often as Megatron's analysis says: an MLP block (column then row) all-reduces once
-forward and once backward.
+forward and once backward. With Megatron sequence parallelism (the block entered by an
+all-gather of sequence slices and left by a reduce-scatter) the block still equals the dense
+one, provided the gradients of the parameters whole on every rank (the LayerNorm, the row
+bias) are summed over the group; without that sum they are silently wrong.
 """
 
 from __future__ import annotations
@@ -174,3 +177,47 @@ def _uneven() -> str:
 def test_an_uneven_split_names_the_layer():
     message = run_distributed(_uneven, 4, timeout=60)[0]
     assert "ColumnParallelLinear out_features = 6" in message, message
+
+
+def _sequence_parallel_block(sum_norm_grads: bool) -> dict:
+    from zerotrain.parallel.tensor import sum_gradients_over_group
+
+    comm = Communicator()
+    torch.manual_seed(6)
+    seq = S * comm.world_size
+    norm, fc, proj = nn.LayerNorm(H), nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+    with torch.no_grad():  # not the identity, so its gradient matters
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(seq, B, H, requires_grad=True)
+    dense = x + proj(F.gelu(fc(norm(x))))
+    dense.pow(2).sum().backward()
+
+    sp_norm = nn.LayerNorm(H)
+    sp_norm.load_state_dict(norm.state_dict())
+    col = ColumnParallelLinear.from_dense(fc, comm, sequence_dim=0)
+    row = RowParallelLinear.from_dense(proj, comm, sequence_dim=0)
+    if sum_norm_grads:
+        sum_gradients_over_group([*sp_norm.parameters(), row.bias], comm)  # the whole ones
+    mine = _chunk(x.detach(), comm, 0).clone().requires_grad_(True)  # this rank's positions
+    out = mine + row(F.gelu(col(sp_norm(mine))))  # the block gathers, then reduce-scatters
+    out.pow(2).sum().backward()
+    return {
+        "output": (out - _chunk(dense, comm, 0)).abs().max().item(),
+        "input grad": (mine.grad - _chunk(x.grad, comm, 0)).abs().max().item(),
+        "norm grad": (sp_norm.weight.grad - norm.weight.grad).abs().max().item(),
+        "fc grad": (col.weight.grad - _chunk(fc.weight.grad, comm, 0)).abs().max().item(),
+        "row bias grad": (row.bias.grad - proj.bias.grad).abs().max().item(),
+    }
+
+
+def test_sequence_parallel_block_needs_its_layernorm_gradients_summed():
+    summed = run_distributed(_sequence_parallel_block, 2, True, timeout=120)
+    for got in summed:
+        assert max(got.values()) < 1e-4, got
+    # Without the sum every rank's LayerNorm sees half the sequence: its gradient is wrong
+    # (and differs between ranks) while everything else still matches, silently.
+    unsummed = run_distributed(_sequence_parallel_block, 2, False, timeout=120)
+    for got in unsummed:
+        assert got["output"] < 1e-4, got
+        assert got["norm grad"] > 1e-2, got

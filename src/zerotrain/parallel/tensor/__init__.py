@@ -8,10 +8,12 @@ from zerotrain.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from zerotrain.parallel.tensor.sequence_parallel import sum_gradients_over_group
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "sum_gradients_over_group",
     "vocab_parallel_cross_entropy",
 ]

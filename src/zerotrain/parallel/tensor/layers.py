@@ -22,9 +22,11 @@ from torch import nn
 
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.regions import (
+    all_gather_along,
     copy_to_group,
     gather_along,
     reduce_from_group,
+    reduce_scatter_along,
     scatter_along,
 )
 
@@ -51,6 +53,9 @@ class ColumnParallelLinear(nn.Module):
         bias: whether the layer has a bias (split like the output).
         gather_output: concatenate the ranks' output slices (else each rank keeps its own,
             the input a row-parallel layer expects).
+        sequence_dim: Megatron sequence parallelism: the input is this rank's slice of the
+            sequence along this dimension and is all-gathered here (instead of entering the
+            region whole); None: the input is whole.
     """
 
     def __init__(
@@ -60,17 +65,23 @@ class ColumnParallelLinear(nn.Module):
         comm: Communicator,
         bias: bool = True,
         gather_output: bool = False,
+        sequence_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.gather_output = comm, gather_output
+        self.sequence_dim = sequence_dim
         local = _split_size(out_features, comm, "ColumnParallelLinear out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
 
     @classmethod
     def from_dense(
-        cls, linear: nn.Linear, comm: Communicator, gather_output: bool = False
+        cls,
+        linear: nn.Linear,
+        comm: Communicator,
+        gather_output: bool = False,
+        sequence_dim: int | None = None,
     ) -> ColumnParallelLinear:
         """This rank's slice of ``linear`` (same values)."""
         layer = cls(
@@ -79,6 +90,7 @@ class ColumnParallelLinear(nn.Module):
             comm,
             linear.bias is not None,
             gather_output,
+            sequence_dim,
         ).to(device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(_slice(linear.weight, comm, 0))
@@ -87,7 +99,11 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_group(x, self.comm), self.weight, self.bias)
+        if self.sequence_dim is None:
+            x = copy_to_group(x, self.comm)
+        else:
+            x = all_gather_along(x, self.comm, self.sequence_dim)
+        y = F.linear(x, self.weight, self.bias)
         return gather_along(y, self.comm, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -107,6 +123,9 @@ class RowParallelLinear(nn.Module):
         bias: whether the layer has a bias.
         input_is_parallel: the input is already this rank's slice of the features (a
             column-parallel layer's output); else it is whole and sliced here.
+        sequence_dim: Megatron sequence parallelism: the summed output is reduce-scattered
+            along this dimension, each rank keeping its slice of the sequence; None: every
+            rank gets the whole sum.
     """
 
     def __init__(
@@ -116,17 +135,23 @@ class RowParallelLinear(nn.Module):
         comm: Communicator,
         bias: bool = True,
         input_is_parallel: bool = True,
+        sequence_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.input_is_parallel = comm, input_is_parallel
+        self.sequence_dim = sequence_dim
         local = _split_size(in_features, comm, "RowParallelLinear in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
     def from_dense(
-        cls, linear: nn.Linear, comm: Communicator, input_is_parallel: bool = True
+        cls,
+        linear: nn.Linear,
+        comm: Communicator,
+        input_is_parallel: bool = True,
+        sequence_dim: int | None = None,
     ) -> RowParallelLinear:
         """This rank's slice of ``linear`` (same values)."""
         layer = cls(
@@ -135,6 +160,7 @@ class RowParallelLinear(nn.Module):
             comm,
             linear.bias is not None,
             input_is_parallel,
+            sequence_dim,
         ).to(device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(_slice(linear.weight, comm, 1))
@@ -145,7 +171,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_along(x, self.comm, -1)
-        y = reduce_from_group(F.linear(x, self.weight), self.comm)
+        partial = F.linear(x, self.weight)
+        if self.sequence_dim is None:
+            y = reduce_from_group(partial, self.comm)
+        else:
+            y = reduce_scatter_along(partial, self.comm, self.sequence_dim)
+        # The bias is whole on every rank: with sequence parallelism each rank's copy gets
+        # the gradient of its slice only (see sum_gradients_over_group).
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
