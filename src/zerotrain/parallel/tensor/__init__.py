@@ -8,12 +8,15 @@ from zerotrain.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from zerotrain.parallel.tensor.plan import model_tp_plan, parallelize
 from zerotrain.parallel.tensor.sequence_parallel import sum_gradients_over_group
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "model_tp_plan",
+    "parallelize",
     "sum_gradients_over_group",
     "vocab_parallel_cross_entropy",
 ]
