@@ -221,3 +221,32 @@ def test_sequence_parallel_block_needs_its_layernorm_gradients_summed():
     for got in unsummed:
         assert got["output"] < 1e-4, got
         assert got["norm grad"] > 1e-2, got
+
+
+def _dropout_streams() -> dict:
+    from zerotrain.parallel.tensor import TensorParallelRNG
+
+    comm = Communicator()
+    torch.manual_seed(1234)  # the job's seed, alike on every rank
+    rng = TensorParallelRNG(comm, seed=1234)
+    ones = torch.ones(64)
+    shared_before = F.dropout(ones, 0.5)
+    with rng.fork():
+        split = F.dropout(ones, 0.5)
+    shared_after = F.dropout(ones, 0.5)
+    torch.manual_seed(1234)
+    F.dropout(ones, 0.5)
+    undisturbed = F.dropout(ones, 0.5)  # the shared stream with no fork in between
+    return {
+        "shared": torch.cat([shared_before, shared_after]).tolist(),
+        "split": split.tolist(),
+        "undisturbed": bool(torch.equal(undisturbed, shared_after)),
+    }
+
+
+def test_dropout_is_shared_outside_split_regions_and_per_rank_inside():
+    first, second = run_distributed(_dropout_streams, 2, timeout=60)
+    assert first["shared"] == second["shared"]  # replicas keep equal
+    assert first["split"] != second["split"]  # independent masks for different slices
+    assert first["undisturbed"]
+    assert second["undisturbed"]

@@ -9,11 +9,13 @@ from zerotrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
 )
 from zerotrain.parallel.tensor.plan import model_tp_plan, parallelize
+from zerotrain.parallel.tensor.rng import TensorParallelRNG
 from zerotrain.parallel.tensor.sequence_parallel import sum_gradients_over_group
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "TensorParallelRNG",
     "VocabParallelEmbedding",
     "model_tp_plan",
     "parallelize",

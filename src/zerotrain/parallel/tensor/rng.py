@@ -1,0 +1,65 @@
+"""Random streams for tensor parallelism: shared outside the split regions, per rank inside.
+
+Outside tensor-parallel regions every rank of the tensor group holds the same tensors, so a
+dropout there must draw the same mask on every rank (or the replicas drift apart): the
+default generator, seeded alike on the group, serves it. Inside a region each rank holds a
+different slice (its heads, its MLP columns), and the slices' masks must be independent, as
+they would be in the dense model: :meth:`TensorParallelRNG.fork` switches the default
+generator to a stream of this rank's own (seeded ``seed + 2718 + rank``, Megatron's
+offset) for the length of the region, and back, so draws inside do not move the shared
+stream.
+
+Activation checkpointing replays the default generator's state at the start of a
+checkpointed region; a region that forks inside must be recomputed with the fork's state
+as it was then. Not handled yet: do not checkpoint modules that fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from zerotrain.comm.collectives import Communicator
+
+MEGATRON_OFFSET = 2718
+
+
+class TensorParallelRNG:
+    """This rank's own random stream for tensor-parallel regions.
+
+    Args:
+        comm: the tensor group (the stream is seeded from the rank in it).
+        seed: the job's seed (the same on every rank).
+    """
+
+    def __init__(self, comm: Communicator, seed: int) -> None:
+        self.device = comm.device
+        saved = self._get()
+        torch.manual_seed(seed + MEGATRON_OFFSET + comm.rank)
+        self._state = self._get()
+        self._set(saved)
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        """Draw from this rank's stream inside the block; the shared stream is left where
+        it was."""
+        shared = self._get()
+        self._set(self._state)
+        try:
+            yield
+        finally:
+            self._state = self._get()
+            self._set(shared)
