@@ -4,7 +4,8 @@ Causal attention on ``[s, b, h, d]`` tensors; each of 2 or 4 ranks holds ``s / P
 of every head. ``DistributedAttention`` gives each rank its positions of the output and
 the gradients of its slices of q, k and v, equal to single-process attention's, with four
 all-to-alls forward (q, k, v, and the context back), each of the rank's whole slice (of which
-``(P-1)/P`` leaves the rank).
+``(P-1)/P`` leaves the rank). Grouped-query attention (2 key/value heads for 4 query heads)
+works at degree 2 (heads split) and 4 (key/value heads repeated to the degree).
 """
 
 from __future__ import annotations
@@ -84,3 +85,48 @@ def test_heads_not_divisible_by_the_degree_are_named():
     message = run_distributed(_heads_not_divisible, 2, timeout=60)[0]
     assert "3 heads" in message, message
     assert "degree 2" in message, message
+
+
+KV_HEADS = 2
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention on ``[s, b, h, d]`` tensors (fewer key/value heads)."""
+    out = F.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True
+    )
+    return out.permute(2, 0, 1, 3)
+
+
+def _gqa_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(S, B, H, D, generator=gen)
+    return [q, *(torch.randn(S, B, KV_HEADS, D, generator=gen) for _ in range(2))]
+
+
+def _gqa_reference() -> dict:
+    q, k, v = (t.requires_grad_(True) for t in _gqa_inputs())
+    out = gqa_attention(q, k, v)
+    out.pow(2).sum().backward()
+    return {"out": out.detach(), "grads": [t.grad for t in (q, k, v)]}
+
+
+def _gqa_ulysses() -> dict:
+    comm = Communicator()
+    mine = [
+        t.chunk(comm.world_size, dim=0)[comm.rank].clone().requires_grad_(True)
+        for t in _gqa_inputs()
+    ]
+    out = DistributedAttention(gqa_attention, comm)(*mine)
+    out.pow(2).sum().backward()
+    return {"out": out.detach(), "grads": [t.grad for t in mine]}
+
+
+@pytest.mark.parametrize("world", [2, 4])  # 2 divides the 2 key/value heads; 4 repeats them
+def test_grouped_query_attention_with_fewer_kv_heads_than_ranks(world):
+    reference = _gqa_reference()
+    for rank, got in enumerate(run_distributed(_gqa_ulysses, world, timeout=120)):
+        chunk = slice(rank * S // world, (rank + 1) * S // world)
+        torch.testing.assert_close(got["out"], reference["out"][chunk], rtol=0, atol=1e-5)
+        for mine, whole in zip(got["grads"], reference["grads"], strict=True):
+            torch.testing.assert_close(mine, whole[chunk], rtol=0, atol=1e-5)

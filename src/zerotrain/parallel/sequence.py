@@ -10,6 +10,12 @@ attention itself is computed.
 ``DistributedAttention`` keeps DeepSpeed's signature (``local_attention``, the group,
 ``scatter_idx=2`` for the heads, ``gather_idx=0`` for the sequence, inputs shaped
 ``[s/P, b, h, d]``), with a ``Communicator`` for the group.
+
+Grouped-query attention: when the key/value heads are fewer than the degree P, each is
+repeated (``repeat_interleave``, so query head i still meets key/value head
+``i // (h / h_kv)``) up to P heads before the exchange, so every rank gets the key/value
+head its query heads use. The query heads must divide by P, and P by the key/value heads
+(or the key/value heads by P); anything else is an error naming the counts.
 """
 
 from __future__ import annotations
@@ -55,17 +61,33 @@ class DistributedAttention(nn.Module):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         degree = self.comm.world_size
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            heads = t.shape[self.scatter_idx]
-            if heads % degree:
-                raise ValueError(
-                    f"DistributedAttention: {name} has {heads} heads along dimension "
-                    f"{self.scatter_idx}, not divisible by the sequence-parallel degree "
-                    f"{degree}"
-                )
+        heads = query.shape[self.scatter_idx]
+        if heads % degree:
+            raise ValueError(
+                f"DistributedAttention: query has {heads} heads along dimension "
+                f"{self.scatter_idx}, not divisible by the sequence-parallel degree {degree}"
+            )
+        key, value = (
+            self._spread_kv(t, heads, name) for t, name in ((key, "key"), (value, "value"))
+        )
         q, k, v = (
             all_to_all_along(t, self.comm, self.scatter_idx, self.gather_idx)
             for t in (query, key, value)
         )
         context = self.local_attention(q, k, v, *args, **kwargs)
         return all_to_all_along(context, self.comm, self.gather_idx, self.scatter_idx)
+
+    def _spread_kv(self, t: torch.Tensor, q_heads: int, name: str) -> torch.Tensor:
+        """Key/value heads as the exchange needs them: as they are when the degree divides
+        them, else each repeated so that there are as many as the degree."""
+        degree, kv_heads = self.comm.world_size, t.shape[self.scatter_idx]
+        if kv_heads % degree == 0:
+            return t
+        if degree % kv_heads or q_heads % kv_heads:
+            raise ValueError(
+                f"DistributedAttention: {name} has {kv_heads} heads and query {q_heads}; with "
+                f"sequence-parallel degree {degree} the key/value heads must divide by the "
+                "degree, or divide both the degree and the query heads (grouped-query "
+                "attention, repeated to the degree)"
+            )
+        return t.repeat_interleave(degree // kv_heads, dim=self.scatter_idx)
