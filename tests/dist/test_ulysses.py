@@ -5,7 +5,8 @@ of every head. ``DistributedAttention`` gives each rank its positions of the out
 the gradients of its slices of q, k and v, equal to single-process attention's, with four
 all-to-alls forward (q, k, v, and the context back), each of the rank's whole slice (of which
 ``(P-1)/P`` leaves the rank). Grouped-query attention (2 key/value heads for 4 query heads)
-works at degree 2 (heads split) and 4 (key/value heads repeated to the degree).
+works at degree 2 (heads split) and 4 (key/value heads repeated to the degree). A
+sequence of 11 positions, which 2 and 4 do not divide, is split unevenly and matches too.
 """
 
 from __future__ import annotations
@@ -130,3 +131,38 @@ def test_grouped_query_attention_with_fewer_kv_heads_than_ranks(world):
         torch.testing.assert_close(got["out"], reference["out"][chunk], rtol=0, atol=1e-5)
         for mine, whole in zip(got["grads"], reference["grads"], strict=True):
             torch.testing.assert_close(mine, whole[chunk], rtol=0, atol=1e-5)
+
+
+ODD = 11  # positions in all, not a multiple of the degree
+
+
+def _odd_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    return [torch.randn(ODD, B, H, D, generator=gen) for _ in range(3)]
+
+
+def _odd_split(world: int) -> list[slice]:
+    sizes = [ODD // world + (r < ODD % world) for r in range(world)]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    return [slice(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+def _odd_ulysses() -> dict:
+    comm = Communicator()
+    where = _odd_split(comm.world_size)[comm.rank]
+    mine = [t[where].clone().requires_grad_(True) for t in _odd_inputs()]
+    out = DistributedAttention(causal_attention, comm)(*mine)
+    out.pow(2).sum().backward()
+    return {"out": out.detach(), "grads": [t.grad for t in mine]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sequence_not_divisible_by_the_degree_is_split_unevenly(world):
+    q, k, v = (t.requires_grad_(True) for t in _odd_inputs())
+    whole = causal_attention(q, k, v)
+    whole.pow(2).sum().backward()
+    splits = _odd_split(world)
+    for rank, got in enumerate(run_distributed(_odd_ulysses, world, timeout=120)):
+        torch.testing.assert_close(got["out"], whole.detach()[splits[rank]], rtol=0, atol=1e-5)
+        for mine, full in zip(got["grads"], (q.grad, k.grad, v.grad), strict=True):
+            torch.testing.assert_close(mine, full[splits[rank]], rtol=0, atol=1e-5)

@@ -18,6 +18,8 @@ backward.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -58,28 +60,61 @@ def _reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int, purpose: str)
     return out
 
 
-def _all_to_all(
-    x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int, purpose: str
+def _exchange(
+    x: torch.Tensor,
+    comm: Communicator,
+    scatter: tuple[int, Sequence[int]],
+    gather: tuple[int, Sequence[int]],
+    purpose: str,
 ) -> torch.Tensor:
-    _own_chunk(x, comm, scatter_dim)  # checks the split
-    send = torch.stack(x.chunk(comm.world_size, dim=scatter_dim)).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, purpose=purpose)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    """Split ``x`` along dimension ``scatter[0]`` into parts of ``scatter[1]`` (one per
+    rank, in rank order) and send part j to rank j; concatenate what the ranks send here
+    along ``gather[0]``, where rank i's part has ``gather[1][i]`` entries (all other
+    dimensions as in ``x``, the scattered one at this rank's size)."""
+    n, me = comm.world_size, comm.rank
+    scatter_dim, scatter_sizes = scatter[0] % x.dim(), list(scatter[1])
+    gather_dim, gather_sizes = gather[0] % x.dim(), list(gather[1])
+    if sum(scatter_sizes) != x.shape[scatter_dim] or len(scatter_sizes) != n:
+        raise ValueError(
+            f"all-to-all: dimension {scatter_dim} of size {x.shape[scatter_dim]} cannot be "
+            f"split into {scatter_sizes} over {n} ranks"
+        )
+    parts = x.split(scatter_sizes, dim=scatter_dim)
+    send = torch.cat([p.reshape(-1) for p in parts])
+    shapes = []
+    for i in range(n):
+        shape = list(parts[me].shape)
+        shape[gather_dim] = gather_sizes[i]
+        shapes.append(shape)
+    counts = [math.prod(shape) for shape in shapes]
+    recv = torch.empty(sum(counts), dtype=x.dtype, device=x.device)
+    comm.all_to_all(
+        recv,
+        send,
+        output_split_sizes=counts,
+        input_split_sizes=[p.numel() for p in parts],
+        purpose=purpose,
+    )
+    pieces = [r.view(shape) for r, shape in zip(recv.split(counts), shapes, strict=True)]
+    return torch.cat(pieces, dim=gather_dim)
 
 
-class _AllToAllAlong(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int
+        ctx: Any,
+        x: torch.Tensor,
+        comm: Communicator,
+        scatter: tuple[int, Sequence[int]],
+        gather: tuple[int, Sequence[int]],
     ) -> torch.Tensor:
-        ctx.comm, ctx.dims = comm, (scatter_dim, gather_dim)
-        return _all_to_all(x, comm, scatter_dim, gather_dim, FORWARD)
+        ctx.comm, ctx.scatter, ctx.gather = comm, scatter, gather
+        return _exchange(x, comm, scatter, gather, FORWARD)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, ctx.comm, gather_dim, scatter_dim, BACKWARD), None, None, None
+        # The inverse exchange: what was gathered is scattered back by the same sizes.
+        return _exchange(grad, ctx.comm, ctx.gather, ctx.scatter, BACKWARD), None, None, None
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -176,15 +211,34 @@ def reduce_scatter_along(x: torch.Tensor, comm: Communicator, dim: int = 0) -> t
 
 
 def all_to_all_along(
-    x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int
+    x: torch.Tensor,
+    comm: Communicator,
+    scatter_dim: int,
+    gather_dim: int,
+    gather_sizes: Sequence[int] | None = None,
+    scatter_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Split ``x`` evenly along ``scatter_dim``, send part j to rank j, and concatenate what
-    every rank sent here along ``gather_dim`` in rank order (Ulysses' exchange: a slice of
-    the sequence with every head becomes the whole sequence with a slice of the heads);
-    backward runs the inverse exchange."""
-    if comm.world_size == 1:
+    """Split ``x`` along ``scatter_dim``, send part j to rank j, and concatenate what every
+    rank sent here along ``gather_dim`` in rank order (Ulysses' exchange: a slice of the
+    sequence with every head becomes the whole sequence with a slice of the heads);
+    backward runs the inverse exchange.
+
+    Args:
+        scatter_sizes: the parts' sizes along ``scatter_dim`` (default: even).
+        gather_sizes: each rank's size along ``gather_dim`` (default: this rank's, on
+            every rank), for slices of uneven length.
+    """
+    n = comm.world_size
+    if n == 1:
         return x
-    result: torch.Tensor = _AllToAllAlong.apply(x, comm, scatter_dim, gather_dim)
+    if scatter_sizes is None:
+        _own_chunk(x, comm, scatter_dim)  # checks the split
+        scatter_sizes = [x.shape[scatter_dim] // n] * n
+    if gather_sizes is None:
+        gather_sizes = [x.shape[gather_dim]] * n
+    scatter = (scatter_dim, tuple(scatter_sizes))
+    gather = (gather_dim, tuple(gather_sizes))
+    result: torch.Tensor = _Exchange.apply(x, comm, scatter, gather)
     return result
 
 

@@ -11,6 +11,10 @@ attention itself is computed.
 ``scatter_idx=2`` for the heads, ``gather_idx=0`` for the sequence, inputs shaped
 ``[s/P, b, h, d]``), with a ``Communicator`` for the group.
 
+Sequences that do not divide by the degree: each rank may hold a different number of
+positions; they are exchanged as they are (the lengths are all-gathered first, one tiny
+collective per call), so nothing is padded and nothing needs masking.
+
 Grouped-query attention: when the key/value heads are fewer than the degree P, each is
 repeated (``repeat_interleave``, so query head i still meets key/value head
 ``i // (h / h_kv)``) up to P heads before the exchange, so every rank gets the key/value
@@ -70,12 +74,24 @@ class DistributedAttention(nn.Module):
         key, value = (
             self._spread_kv(t, heads, name) for t, name in ((key, "key"), (value, "value"))
         )
+        lengths = self._lengths(query.shape[self.gather_idx], query.device)
         q, k, v = (
-            all_to_all_along(t, self.comm, self.scatter_idx, self.gather_idx)
+            all_to_all_along(t, self.comm, self.scatter_idx, self.gather_idx, lengths)
             for t in (query, key, value)
         )
         context = self.local_attention(q, k, v, *args, **kwargs)
-        return all_to_all_along(context, self.comm, self.gather_idx, self.scatter_idx)
+        return all_to_all_along(
+            context, self.comm, self.gather_idx, self.scatter_idx, scatter_sizes=lengths
+        )
+
+    def _lengths(self, mine: int, device: torch.device) -> list[int]:
+        """Every rank's number of positions (one tiny all-gather): a sequence that does not
+        divide by the degree is split unevenly and exchanged as it is, so nothing is padded
+        or masked."""
+        local = torch.tensor([mine], dtype=torch.int64, device=device)
+        every = torch.empty(self.comm.world_size, dtype=torch.int64, device=device)
+        self.comm.all_gather_into(every, local, purpose="control")
+        return [int(n) for n in every.tolist()]
 
     def _spread_kv(self, t: torch.Tensor, q_heads: int, name: str) -> torch.Tensor:
         """Key/value heads as the exchange needs them: as they are when the degree divides
