@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -169,30 +169,45 @@ class Engine(RankQueries, nn.Module):
                 "earlier backward passes inside 'with engine.no_sync():'"
             )
         gas = self.policy.batch.gradient_accumulation_steps
+        scaled = self._scaled_loss(loss)
+        try:
+            self._backward_pass(
+                self.is_gradient_accumulation_boundary(),
+                lambda: scaled.backward(retain_graph=retain_graph),
+            )
+        except BaseException:
+            self.micro_steps -= self.micro_steps % gas  # the window starts over
+            raise
+        if not self._no_sync:
+            self.window_losses.append(loss.detach())
+            self._backward_pending_step = True
+        return loss
+
+    def _scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What backward starts from: the loss over the accumulation divisor, times the
+        fp16 loss scale."""
         divisor = self.policy.loss_divisor
         if self.loss_scaler is not None:
             # Scaled in fp32 so the product itself cannot overflow; the gradient reaching an
             # fp16 loss is still the scale in fp16 (2**16 is inf there: the first dynamic
             # steps overflow and lower it, as in DeepSpeed).
-            scaled = loss.float() * (self.loss_scale / divisor)
-        else:
-            scaled = loss / divisor if divisor > 1 else loss
-        self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
+            return loss.float() * (self.loss_scale / divisor)
+        return loss / divisor if divisor > 1 else loss
+
+    def _backward_pass(self, boundary: bool, run: Callable[[], None]) -> None:
+        """``run`` (autograd, or nothing) between the strategy's begin and end of a
+        backward pass; if it raises, the window's gradients are discarded."""
+        self.strategy.begin_backward(boundary)
         try:
             with self.telemetry.phase("backward"), self.activation_checkpointing.active():
-                scaled.backward(retain_graph=retain_graph)
+                run()
         except BaseException as exc:
             self.strategy.abort_backward()
-            self.micro_steps -= self.micro_steps % gas  # the window starts over
             if self.policy.stage == 3 and "storage of size 0" in str(exc):
                 raise RuntimeError(_RELEASED_IN_BACKWARD) from exc
             raise
         with self.telemetry.phase("grad_comm_wait"):
             self.strategy.end_backward()
-        if not self._no_sync:
-            self.window_losses.append(loss.detach())
-            self._backward_pending_step = True
-        return loss
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -74,8 +74,6 @@ class PipelineEngine(Engine):
         self._last_backward = backwards[-1] if backwards else None
         reduces = [a for a in mine if a.kind is ActionType.REDUCE_GRAD]
         self._last_reduce = reduces[-1] if reduces else None
-        self._first_local_stage = self.groups.pipe.rank
-        self._pipe_device = self.groups.pipe.device
         self._data_iterator: Iterator[Any] | None = None
         # Why an earlier step failed part-way: messages and gradients are then in an unknown
         # state, so later steps are refused.
@@ -173,7 +171,9 @@ class PipelineEngine(Engine):
         all-reduce over the pipe group), so a stage that ran out of data or read a
         malformed batch stops every stage, instead of leaving the others waiting."""
         inputs = labels = None
-        codes = torch.zeros(count + self.num_stages, dtype=torch.int64, device=self._pipe_device)
+        codes = torch.zeros(
+            count + self.num_stages, dtype=torch.int64, device=self.groups.pipe.device
+        )
         error: BaseException | None = None
         try:
             if self.is_first_stage() or self.is_last_stage():
@@ -346,7 +346,7 @@ class PipelineEngine(Engine):
             # Once per micro-batch: at the rank's lowest stage, the last to run backward
             # for it (interleaved ranks hold several); what higher stages accumulated for
             # it is reduced then too.
-            sync = action.stage == self._first_local_stage or last
+            sync = action.stage == self.stage_id or last  # its lowest stage is its rank
         else:
             sync = False  # everything reduces at REDUCE_GRAD
         final = last and sync
@@ -355,34 +355,22 @@ class PipelineEngine(Engine):
         strategy.set_is_last_backward(final)
         if grads is None:
             roots = [self._scaled_loss(roots[0])]
-        strategy.begin_backward(final)
-        try:
-            with self.telemetry.phase("backward"), self.activation_checkpointing.active():
-                if roots:
-                    torch.autograd.backward(roots, grads)
-        except BaseException:
-            strategy.abort_backward()
-            raise
-        with self.telemetry.phase("grad_comm_wait"):
-            strategy.end_backward()
 
-    def _scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        divisor = self.policy.loss_divisor
-        if self.loss_scaler is not None:
-            return loss.float() * (self.loss_scale / divisor)
-        return loss / divisor if divisor > 1 else loss
+        def run() -> None:
+            if roots:
+                torch.autograd.backward(roots, grads)
+
+        self._backward_pass(final, run)
 
     def _reduce(self, action: Action) -> None:
         """``REDUCE_GRAD``: with ``end_of_step``, the rank's one reduction of the step (its
         last such action; an interleaved rank has one per stage it holds)."""
         if self.pipeline.grad_reduce != "end_of_step" or action != self._last_reduce:
             return
-        strategy = self.strategy
-        strategy.set_requires_gradient_sync(True)
-        strategy.set_is_last_backward(True)
-        strategy.begin_backward(True)
-        with self.telemetry.phase("grad_comm_wait"):
-            strategy.end_backward()  # launches every unit's reduction (no autograd ran)
+        self.strategy.set_requires_gradient_sync(True)
+        self.strategy.set_is_last_backward(True)
+        # No autograd runs: ending the pass launches every unit's reduction.
+        self._backward_pass(True, lambda: None)
 
     def _sync_ties(self) -> None:
         """Sum the copies' gradients of each tied module; a tied parameter is used when
