@@ -1,7 +1,9 @@
 """Jobs on a grid of more than one axis: ZeRO shards over the data group only.
 
-Until tensor parallelism lands, a tensor axis runs replicated compute: the two ranks of a
-tensor group hold the same model and read the same samples. With ``Topology(data=2,
+A tensor axis with nothing to split the model by (no tensor_parallel section, a model
+without a plan) runs replicated compute: the two ranks of a tensor group hold the same
+model and read the same samples (the demo GPT's own plan is switched off here; tensor
+parallelism proper is tests/dist/test_tensor_parallel_*.py). With ``Topology(data=2,
 tensor=2)`` on 4 ranks, ZeRO must then keep the 2-way shard on each rank (not the 4-way
 one), reduce over the 2-rank data group, and train exactly like one process on the global
 batch of the 2 data-parallel ranks.
@@ -28,9 +30,14 @@ from zerotrain.testing.dist import run_distributed
 GRID = Topology(data=2, tensor=2)
 
 
+def _unplanned(model: torch.nn.Module) -> torch.nn.Module:
+    model._tp_plan = {}  # no plan: the tensor axis replicates compute
+    return model
+
+
 def _train_on_grid(stage: int) -> dict:
     spec = RunSpec(stage=stage, steps=4, opt_params=dict(PARITY_ADAM))
-    model = make_model(spec)
+    model = _unplanned(make_model(spec))
     data_world = GRID.data
     engine, _, _, _ = zerotrain.initialize(
         model=model, config=zerotrain_config(spec, data_world), topology=GRID
@@ -63,7 +70,7 @@ def _train_on_grid(stage: int) -> dict:
 def _model_state_bytes_two_way(stage: int) -> int:
     """The same model, trained by a plain 2-rank job: its per-rank model-state bytes."""
     spec = RunSpec(stage=stage, steps=1, opt_params=dict(PARITY_ADAM))
-    model = make_model(spec)
+    model = _unplanned(make_model(spec))
     engine, _, _, _ = zerotrain.initialize(model=model, config=zerotrain_config(spec, 2))
     x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, engine.dp_rank, 2)
     for _ in range(spec.grad_accum):
@@ -118,7 +125,7 @@ def test_a_topology_that_does_not_match_the_job_is_refused():
 
 def _save_on_grid(path: str) -> dict:
     spec = RunSpec(stage=3, steps=2, opt_params=dict(PARITY_ADAM))
-    model = make_model(spec)
+    model = _unplanned(make_model(spec))
     engine, _, _, _ = zerotrain.initialize(
         model=model, config=zerotrain_config(spec, GRID.data), topology=GRID
     )
@@ -135,7 +142,7 @@ def _save_on_grid(path: str) -> dict:
 
 def _load_plain(path: str, stage: int) -> dict:
     spec = RunSpec(stage=stage, steps=1, opt_params=dict(PARITY_ADAM))
-    model = make_model(spec)
+    model = _unplanned(make_model(spec))
     engine, _, _, _ = zerotrain.initialize(model=model, config=zerotrain_config(spec, 2))
     engine.load_checkpoint(path, tag="grid")
     with zerotrain.zero.GatheredParameters(model.parameters()):

@@ -334,7 +334,6 @@ def test_enabled_unbuilt_features_are_listed_by_key():
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
             "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}},
             "sparse_attention": {"mode": "fixed"},
-            "tensor_parallel": {"autotp_size": 4},
         }
     )
     found = "\n".join(not_implemented(cfg))
@@ -343,7 +342,6 @@ def test_enabled_unbuilt_features_are_listed_by_key():
         "optimizer.type=onebitadam with offload: the offloaded step runs adam or adamw",
         "optimizer.type=OneBitAdam",
         "sparse_attention",
-        "tensor_parallel (size 4)",
     ):
         assert key in found
 
@@ -400,10 +398,10 @@ def test_initialize_refuses_unbuilt_features_before_touching_the_model():
 
     import zerotrain
 
-    with pytest.raises(NotImplementedError, match=r"tensor_parallel"):
+    with pytest.raises(NotImplementedError, match=r"sequence_parallel_size"):
         zerotrain.initialize(
             model=torch.nn.Linear(2, 2),
-            config={"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2}},
+            config={"train_batch_size": 2, "sequence_parallel_size": 2},
         )
     assert not torch.distributed.is_initialized()  # refused before joining a group
 
@@ -489,7 +487,7 @@ def test_grid_sizes_come_from_the_config_and_unimplemented_axes_are_refused_by_n
     )
     found = "\n".join(not_implemented(grid))
     assert "sequence_parallel_size=2: sequence parallelism" in found
-    assert "tensor_parallel (size 2)" in found
+    assert "tensor_parallel" not in found  # runs (initialize finds the plan)
     assert "pipeline" not in found  # runs (with a PipelineModule; initialize checks that)
     assert only_problem({"train_batch_size": 2, "pipeline": {"stages": 0}}) == (
         'pipeline.stages: got 0; allowed: a whole number >= 1, or "auto" (the PipelineModule\'s '

@@ -22,6 +22,7 @@ import torch
 import torch.utils.checkpoint
 
 from zerotrain.checkpointing.state import CheckpointingContext, active_context
+from zerotrain.checkpointing.streams import RandomStream, record_streams, replayed
 from zerotrain.utils.device import synchronize
 from zerotrain.utils.torch_compat import TreeSpec, in_backward, tree_flatten, tree_unflatten
 
@@ -48,15 +49,20 @@ class _Rebuild:
 
 @contextlib.contextmanager
 def _recomputation(
-    context: CheckpointingContext, device: torch.device | None, timed: bool, sync: bool
+    context: CheckpointingContext,
+    device: torch.device | None,
+    timed: bool,
+    sync: bool,
+    streams: list[tuple[RandomStream, Any]],
 ) -> Iterator[None]:
     """Runs around each recomputation (which may end early by an exception of PyTorch's:
-    once it has what backward needs it stops)."""
+    once it has what backward needs it stops), with registered random streams replayed."""
     if sync or timed:
         synchronize(device)
     start = time.perf_counter()
     try:
-        yield
+        with replayed(streams):
+            yield
     finally:
         if sync or timed:
             synchronize(device)
@@ -96,7 +102,10 @@ def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     def contexts() -> tuple[
         contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
     ]:
-        return contextlib.nullcontext(), _recomputation(context, device, timed, sync)
+        # Called as the region's forward starts: the streams' states now are the ones the
+        # recomputation must start from.
+        streams = record_streams()
+        return contextlib.nullcontext(), _recomputation(context, device, timed, sync, streams)
 
     keeper = context.keeper()
     if sync or timed:

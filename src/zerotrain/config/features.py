@@ -81,15 +81,6 @@ def _loose_enabled(name: str, section: LooseSection) -> bool:
     return bool(section.enabled)
 
 
-def _tensor_parallel_size(section: LooseSection) -> int:
-    extra = section.model_extra or {}
-    for key in ("autotp_size", "tp_size"):
-        value = extra.get(key)
-        if isinstance(value, int) and value > 1:
-            return value
-    return 1
-
-
 # Optimizers the offloaded step implements (config names, lower-case).
 OFFLOAD_OPTIMIZERS = frozenset({"adam", "adamw"})
 
@@ -148,9 +139,6 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         section = getattr(cfg, name)
         if section is not None and _loose_enabled(name, section):
             found.append(f"{name}: {name.replace('_', ' ')}")
-    tp_size = tensor_parallel_size(cfg)
-    if tp_size > 1:
-        found.append(f"tensor_parallel (size {tp_size}): tensor parallelism")
     if cfg.sequence_parallel_size > 1:
         found.append(f"sequence_parallel_size={cfg.sequence_parallel_size}: sequence parallelism")
     return found
@@ -158,7 +146,7 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
 
 def tensor_parallel_size(cfg: ZeroTrainConfig) -> int:
     """The tensor-parallel degree the config asks for (1 without the section)."""
-    return 1 if cfg.tensor_parallel is None else _tensor_parallel_size(cfg.tensor_parallel)
+    return 1 if cfg.tensor_parallel is None else cfg.tensor_parallel.autotp_size
 
 
 def pipeline_stages(cfg: ZeroTrainConfig) -> int:

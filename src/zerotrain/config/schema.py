@@ -248,6 +248,56 @@ class CheckpointConfig(Section):
 PARTITION_METHODS = ("parameters", "uniform", "type:REGEX", "best")
 
 
+class TensorParallelLayerSpec(Section):
+    """One entry of ``tensor_parallel.partition_config.layer_specs`` (DeepSpeed AutoTP)."""
+
+    # Regular expressions matched (re.match) against parameter names such as
+    # "model.layers.0.self_attn.q_proj.weight"; the Linear owning the parameter is split.
+    patterns: list[str]
+    partition_type: Literal["column", "row", "skip"] = "column"
+    # Packed projections along the output: [N, -1] (N equal parts) or [[A, B, C], -1].
+    shape: list[Any] | None = None
+    partition_dim: NonNegativeInt | None = None
+    gather_output: Bool = False
+    model_types: list[str] | None = None
+
+    @field_validator("partition_type", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+class TensorParallelPartitionConfig(Section):
+    """``tensor_parallel.partition_config``: DeepSpeed AutoTP's custom layer specs."""
+
+    layer_specs: list[TensorParallelLayerSpec] = Field(default_factory=list)
+    # Merge with the preset's specs (preset_model); the custom specs match first.
+    use_default_specs: Bool = True
+    # Every Linear must match a spec (a Linear left whole would be an error).
+    strict_mode: Bool = False
+
+
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: tensor parallelism (DeepSpeed's AutoTP training keys, then
+    zerotrain's ``plan`` and ``sequence_parallel``)."""
+
+    # The tensor-parallel degree; the grid's tensor axis.
+    autotp_size: PositiveInt = 1
+    # A named layer layout (DeepSpeed's presets): "llama", "mistral", "qwen2", "gpt".
+    preset_model: str | None = None
+    partition_config: TensorParallelPartitionConfig | None = None
+    # DeepSpeed keys with no effect here (logged): communication overlap and where the
+    # unsplit model is kept while it is split.
+    tp_overlap_comm: Bool = False
+    keep_module_on_host: Bool = False
+    # zerotrain: {module-name glob: style} (see zerotrain.parallel.tensor.plan); default:
+    # the model's own plan (a transformers model's _tp_plan) when no specs are given.
+    plan: dict[str, str] | None = None
+    # zerotrain: Megatron sequence parallelism between tensor-parallel blocks (the
+    # model's blocks must be written for it; see docs/parallelism.md).
+    sequence_parallel: Bool = False
+
+
 class PipelineConfig(Section):
     """``pipeline``: pipeline parallelism over a ``zerotrain.pipe.PipelineModule``.
 
@@ -360,10 +410,10 @@ class ZeroTrainConfig(Section):
     sequence_parallel_size: PositiveInt = 1
 
     pipeline: PipelineConfig | None = None
+    tensor_parallel: TensorParallelConfig | None = None
 
     # Features zerotrain does not implement (yet): accepted, reported when enabled.
     amp: LooseSection | None = None
-    tensor_parallel: LooseSection | None = None
     sparse_attention: LooseSection | None = None
     curriculum_learning: LooseSection | None = None
     data_efficiency: LooseSection | None = None

@@ -43,6 +43,7 @@ from zerotrain.engine.pipeline_setup import (
     tied_groups,
 )
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
+from zerotrain.engine.tensor_setup import TensorParallelSetup, split_model, tensor_plan
 from zerotrain.offload.manager import Offload
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.pipeline.module import PipelineModule
@@ -146,7 +147,7 @@ def _resolve_topology(
             "zerotrain.pipe.PipelineModule: its layers are split into stages when it is built"
         )
     if given is None:
-        # Config degrees above 1 are refused by _refuse_unimplemented until their issues land.
+        # A sequence degree above 1 is refused by _refuse_unimplemented until it is wired.
         return Topology.from_world(
             world_size,
             pipe=pipeline_stages(cfg),
@@ -155,6 +156,11 @@ def _resolve_topology(
         )
     if not isinstance(given, Topology):
         raise TypeError(f"topology= must be a zerotrain.parallel.Topology, got {given!r}")
+    if cfg.tensor_parallel is not None and given.tensor != tensor_parallel_size(cfg):
+        raise ValueError(
+            f"topology {given} has a tensor axis of {given.tensor}, but the config's "
+            f"tensor_parallel.autotp_size is {tensor_parallel_size(cfg)}; make them equal"
+        )
     if given.world_size != world_size:
         raise ValueError(
             f"topology {given} has {given.world_size} ranks, but the job has {world_size} "
@@ -166,6 +172,25 @@ def _resolve_topology(
             "use sequence=1"
         )
     return given
+
+
+def _tensor_parallel_plan(
+    cfg: ZeroTrainConfig, model: nn.Module, groups: ProcessGroups
+) -> tuple[dict[str, str], str] | None:
+    """The plan splitting ``model`` over the tensor axis, or None (no axis, or replicated
+    compute: a topology with a tensor axis, no config section and a model without a plan)."""
+    degree = groups.tensor.world_size
+    if degree == 1:
+        return None
+    if cfg.tensor_parallel is None and not getattr(model, "_tp_plan", None):
+        log.warning(
+            "the topology has a tensor axis of %d but nothing says how to split %s (no "
+            "tensor_parallel section, no _tp_plan): its ranks run replicated compute",
+            degree,
+            type(model).__name__,
+        )
+        return None
+    return tensor_plan(cfg, model, degree)
 
 
 def _check_not_wrapped(model: nn.Module) -> None:
@@ -236,9 +261,10 @@ def initialize(
             when missing and reused when present.
         topology: the rank grid (default: the config's ``pipeline.stages``,
             ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``, data parallelism
-            over the rest). Until tensor parallelism lands, a tensor axis above 1 runs
-            replicated compute: its ranks hold the same model and data, and ZeRO shards over
-            the data axis only.
+            over the rest). A tensor axis above 1 splits the model with the config's
+            ``tensor_parallel`` plan or the model's own ``_tp_plan``; a model with neither
+            runs replicated compute on that axis (logged): its ranks hold the same model and
+            data. ZeRO shards over the data (x sequence) axis only.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; dataloader and scheduler may be None.
@@ -277,15 +303,18 @@ def initialize(
     zero = ZeroPolicy.for_stage(policies.training.stage)
     # Every rank of a stage must hold the same layers (pipeline stages differ).
     _check_same_model(comm if pipe_module is not None else world, model, world)
-    # The ranks that start from the same values: every ZeRO replica and, while the tensor
-    # axis replicates compute, every rank of a tensor group.
+    plan = _tensor_parallel_plan(cfg, model, groups)
+    # The ranks that start from the same values: every ZeRO replica and every rank of a
+    # tensor group (which then keeps its slices, or replicates compute without a plan).
     replicas = [comm, *([groups.tensor] if groups.tensor.world_size > 1 else [])]
     values = deferred_values(model)
     if values is not None:
         # zero.Init recorded each rank's own random draws: compute rank 0's values on all.
         values.share_random_state(replicas)
-    if values is not None and not zero.shard_parameters:
-        materialize(model, values)  # built by zero.Init, trained at a stage that keeps it whole
+    if values is not None and (not zero.shard_parameters or plan is not None):
+        # Built by zero.Init, trained at a stage that keeps it whole, or about to be cut
+        # into tensor-parallel slices (which needs the values: each rank keeps its own).
+        materialize(model, values)
         values = None
     if values is None:
         model.to(env.device)
@@ -293,6 +322,11 @@ def initialize(
         for tensor in [*model.buffers(), *(p for p in model.parameters() if not p.is_meta)]:
             tensor.data = tensor.data.to(env.device)
     _check_not_wrapped(model)
+    tensor_setup: TensorParallelSetup | None = None
+    if plan is not None:
+        # Split before blocks are wrapped for checkpointing: the plan names modules by path.
+        tensor_setup = split_model(model, cfg, groups, *plan, env.device)
+        replicas = [comm]
     checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
         model, policies.activation_checkpointing, env.device
     )
@@ -337,11 +371,13 @@ def initialize(
             Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
             precision,
             offload,
-            # Pipeline stages hold different parameters; the tensor axis replicates them
-            # until tensor parallelism shards some.
-            distinct_axes=[groups.pipe],
+            # Pipeline stages hold different parameters, tensor ranks different slices.
+            distinct_axes=[groups.pipe, *([groups.tensor] if tensor_setup else [])],
             isolate=isolated_prefixes(pipe_module) if pipe_module is not None else (),
         )
+        if tensor_setup is not None and groups.tensor.rank != 0:
+            # Whole on every tensor rank, with the same gradients: the first rank counts them.
+            strategy.count_once_elsewhere(tensor_setup.whole)
     except BaseException:
         if offload is not None:
             offload.close()  # its swap files and allocator setting; no engine will

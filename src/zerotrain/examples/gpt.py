@@ -1,8 +1,11 @@
 """A small byte-level GPT: the model of the demo, the tests and the benchmarks.
 
 Plain PyTorch in the style of nanoGPT: pre-norm blocks with causal self-attention, an MLP,
-and an output head tied to the token embedding (the ``GPT`` class uses nothing of
-zerotrain).
+and an output head tied to the token embedding. ``GPT`` carries a tensor-parallel plan
+(``_tp_plan``, the attribute ``transformers`` models carry) and is written so that the plan
+applies: attention takes its head count from the projection's width, the fused ``[q; k; v]``
+projection is packed, and the loss takes the vocabulary-parallel cross-entropy when the head
+is split. Unsplit, it is plain PyTorch.
 ``gpt_pipeline_layers`` writes the same model as a layer list for ``zerotrain.pipe``'s
 ``PipelineModule``, DeepSpeed's pipeline-parallel style.
 """
@@ -11,12 +14,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotrain.comm.regions import gather_along
+from zerotrain.parallel.tensor import (
+    ColumnParallelLinear,
+    tensor_parallel_rng,
+    vocab_parallel_cross_entropy,
+)
 from zerotrain.pipe import LayerSpec, TiedLayerSpec
 
 
@@ -30,6 +39,9 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    # Dropout on the attention probabilities (None: ``dropout``). Under tensor parallelism
+    # it is drawn from each rank's own stream (its heads), the rest from the shared one.
+    attn_dropout: float | None = None
     bias: bool = True
     tie_weights: bool = True
 
@@ -41,20 +53,24 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = cfg.dropout
+        self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        # The head count follows from the projection's width: under tensor parallelism the
+        # packed qkv holds this rank's heads only. The sequence length too: with sequence
+        # parallelism x is this rank's slice and qkv gathers the whole sequence.
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        with tensor_parallel_rng(self):
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class MLP(nn.Module):
@@ -90,7 +106,25 @@ class GPT(nn.Module):
 
     ``forward(idx)`` returns logits of shape (batch, time, vocab); ``forward(idx, targets)``
     returns the mean cross-entropy loss, which is what ``engine(batch)`` is expected to give.
+
+    ``_tp_plan`` splits it Megatron's way: the token embedding and the (tied) head along the
+    vocabulary, qkv and the MLP's first layer by output columns, the two output projections
+    by input rows; the position embedding and LayerNorms stay whole. The ``sequence`` entries
+    act only with Megatron sequence parallelism.
     """
+
+    _tp_plan: ClassVar[dict[str, str]] = {
+        "wte": "vocab",
+        "drop": "sequence_scatter",
+        "blocks.*.ln1": "sequence",
+        "blocks.*.attn.qkv": "packed_colwise:3",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.ln2": "sequence",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "ln_f": "sequence",
+        "lm_head": "colwise",
+    }
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -127,6 +161,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
+        head = self.lm_head
+        if isinstance(head, ColumnParallelLinear) and not head.gather_output:
+            # The vocabulary is split: this rank holds its columns of the logits.
+            if targets is None:
+                return gather_along(logits, head.comm, -1)
+            return vocab_parallel_cross_entropy(logits, targets, head.comm).mean()
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -11,7 +11,13 @@ and the rows are summed (zeros elsewhere).
 
 Every layer is built from the dense module it replaces (``from_dense``), so a model is made
 tensor-parallel without rewriting it and its values equal the dense model's. Splits must be
-even: a dimension not divisible by the group size is an error naming the layer.
+even: a dimension not divisible by the group size is an error naming the layer. A packed
+column layer (a fused ``[q; k; v]`` projection: ``parts``) takes its slice of each part, so
+its output is again ``[q; k; v]``, of this rank's heads.
+
+Each layer's ``splits`` says, per parameter, which blocks of the global tensor this rank
+holds (``TensorSplit``): checkpoints address the parameters in global coordinates with it,
+and parameters absent from it are whole on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from zerotrain.comm.regions import (
     reduce_scatter_along,
     scatter_along,
 )
+from zerotrain.parallel.tensor.splits import TensorSplit, even_split
 
 
 def _split_size(size: int, comm: Communicator, what: str) -> int:
@@ -40,8 +47,10 @@ def _split_size(size: int, comm: Communicator, what: str) -> int:
     return size // comm.world_size
 
 
-def _slice(tensor: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
-    return tensor.detach().chunk(comm.world_size, dim=dim)[comm.rank].clone()
+def _slice(tensor: torch.Tensor, split: TensorSplit) -> torch.Tensor:
+    """This rank's blocks of the whole ``tensor``, concatenated (a copy)."""
+    blocks = [tensor.detach().narrow(split.dim, o, n) for o, n in split.blocks]
+    return torch.cat(blocks, dim=split.dim).clone()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -56,6 +65,9 @@ class ColumnParallelLinear(nn.Module):
         sequence_dim: Megatron sequence parallelism: the input is this rank's slice of the
             sequence along this dimension and is all-gathered here (instead of entering the
             region whole); None: the input is whole.
+        parts: a packed projection's part sizes along the output (``(C, C, C)`` for a
+            fused ``[q; k; v]``; they add up to ``out_features``): each is split on its
+            own. Empty: one part.
     """
 
     def __init__(
@@ -66,14 +78,28 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         sequence_dim: int | None = None,
+        parts: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.gather_output = comm, gather_output
         self.sequence_dim = sequence_dim
-        local = _split_size(out_features, comm, "ColumnParallelLinear out_features")
-        self.weight = nn.Parameter(torch.empty(local, in_features))
-        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
+        if gather_output and parts:
+            raise ValueError(
+                "ColumnParallelLinear: a packed projection (parts) cannot gather its output: "
+                "the gathered slices would interleave the parts"
+            )
+        for size in parts or (out_features,):
+            _split_size(
+                size, comm, "ColumnParallelLinear out_features" + (" part" if parts else "")
+            )
+        self.parts = tuple(parts)
+        weight = even_split((out_features, in_features), 0, comm.rank, comm.world_size, parts)
+        self.weight = nn.Parameter(torch.empty(weight.local_shape))
+        self.bias = nn.Parameter(torch.zeros(weight.local_shape[0])) if bias else None
+        self.splits = {"weight": weight}
+        if bias:
+            self.splits["bias"] = even_split((out_features,), 0, comm.rank, comm.world_size, parts)
 
     @classmethod
     def from_dense(
@@ -82,6 +108,7 @@ class ColumnParallelLinear(nn.Module):
         comm: Communicator,
         gather_output: bool = False,
         sequence_dim: int | None = None,
+        parts: tuple[int, ...] = (),
     ) -> ColumnParallelLinear:
         """This rank's slice of ``linear`` (same values)."""
         layer = cls(
@@ -91,11 +118,12 @@ class ColumnParallelLinear(nn.Module):
             linear.bias is not None,
             gather_output,
             sequence_dim,
+            parts,
         ).to(device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
-            layer.weight.copy_(_slice(linear.weight, comm, 0))
+            layer.weight.copy_(_slice(linear.weight, layer.splits["weight"]))
             if linear.bias is not None and layer.bias is not None:
-                layer.bias.copy_(_slice(linear.bias, comm, 0))
+                layer.bias.copy_(_slice(linear.bias, layer.splits["bias"]))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,9 +135,10 @@ class ColumnParallelLinear(nn.Module):
         return gather_along(y, self.comm, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:
+        packed = f", parts={list(self.parts)}" if self.parts else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
-            f"(this rank: {self.weight.shape[0]}), tensor_parallel={self.comm.world_size}"
+            f"(this rank: {self.weight.shape[0]}){packed}, tensor_parallel={self.comm.world_size}"
         )
 
 
@@ -141,9 +170,11 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.input_is_parallel = comm, input_is_parallel
         self.sequence_dim = sequence_dim
-        local = _split_size(in_features, comm, "RowParallelLinear in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, local))
+        _split_size(in_features, comm, "RowParallelLinear in_features")
+        weight = even_split((out_features, in_features), 1, comm.rank, comm.world_size)
+        self.weight = nn.Parameter(torch.empty(weight.local_shape))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.splits = {"weight": weight}  # the bias is whole
 
     @classmethod
     def from_dense(
@@ -163,7 +194,7 @@ class RowParallelLinear(nn.Module):
             sequence_dim,
         ).to(device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
-            layer.weight.copy_(_slice(linear.weight, comm, 1))
+            layer.weight.copy_(_slice(linear.weight, layer.splits["weight"]))
             if linear.bias is not None and layer.bias is not None:
                 layer.bias.copy_(linear.bias.detach())
         return layer
@@ -198,7 +229,9 @@ class VocabParallelEmbedding(nn.Module):
         local = _split_size(num_embeddings, comm, "VocabParallelEmbedding num_embeddings")
         self.start = comm.rank * local
         self.end = self.start + local
-        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
+        weight = even_split((num_embeddings, embedding_dim), 0, comm.rank, comm.world_size)
+        self.weight = nn.Parameter(torch.empty(weight.local_shape))
+        self.splits = {"weight": weight}
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, comm: Communicator) -> VocabParallelEmbedding:
@@ -212,7 +245,7 @@ class VocabParallelEmbedding(nn.Module):
             device=embedding.weight.device, dtype=embedding.weight.dtype
         )
         with torch.no_grad():
-            layer.weight.copy_(_slice(embedding.weight, comm, 0))
+            layer.weight.copy_(_slice(embedding.weight, layer.splits["weight"]))
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -11,16 +11,25 @@ stream.
 
 Activation checkpointing replays the default generator's state at the start of a
 checkpointed region; a region that forks inside must be recomputed with the fork's state
-as it was then. Not handled yet: do not checkpoint modules that fork.
+as it was then too, or the recomputation draws new masks. The stream registers itself with
+``zerotrain.checkpointing.streams``, which records it as each region's forward starts and
+sets it back around the recomputation (a region nested in another checkpointed region is
+not replayed this way: do not nest checkpointed regions around forked dropout).
+
+Model code marks a region with ``with tensor_parallel_rng(self):`` (a no-op on a model that
+is not split); the engine attaches the stream to the model's modules when it splits them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
+from zerotrain.checkpointing.streams import register_random_stream
 from zerotrain.comm.collectives import Communicator
 
 MEGATRON_OFFSET = 2718
@@ -40,6 +49,15 @@ class TensorParallelRNG:
         torch.manual_seed(seed + MEGATRON_OFFSET + comm.rank)
         self._state = self._get()
         self._set(saved)
+        register_random_stream(self)
+
+    def get_state(self) -> torch.Tensor:
+        """The stream's state (what the next fork starts from)."""
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Continue the stream from ``state``."""
+        self._state = state.clone()
 
     def _get(self) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -63,3 +81,19 @@ class TensorParallelRNG:
         finally:
             self._state = self._get()
             self._set(shared)
+
+
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, TensorParallelRNG] = weakref.WeakKeyDictionary()
+
+
+def attach_rng(model: nn.Module, rng: TensorParallelRNG) -> None:
+    """Let every module of ``model`` find ``rng`` through :func:`tensor_parallel_rng`."""
+    for module in model.modules():
+        _ATTACHED[module] = rng
+
+
+def tensor_parallel_rng(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Inside a split region of ``module`` (dropout on this rank's heads): draw from this
+    rank's own stream when the model is tensor-parallel, else from the default generator."""
+    rng = _ATTACHED.get(module)
+    return rng.fork() if rng is not None else contextlib.nullcontext()

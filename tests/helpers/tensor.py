@@ -1,0 +1,194 @@
+"""Shared pieces of the tensor-parallel tests: the demo GPT split by its own plan, trained
+through the engine on a (pipe x data x tensor) grid, and the single-process reference on
+the same global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerotrain
+from tests.helpers.training import PARITY_ADAM, RunSpec, global_batches, micro_batch
+from zerotrain.examples.gpt import GPT, GPTConfig
+from zerotrain.parallel.tensor import tensor_splits
+from zerotrain.parallel.tensor.splits import even_split
+from zerotrain.parallel.topology import Topology
+
+# Heads, embedding width and vocabulary divisible by 4; no biases (see training.py's TINY).
+TP_GPT = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False)
+TP_SPEC = RunSpec(
+    optimizer="AdamW",
+    opt_params=dict(PARITY_ADAM),
+    steps=20,
+    micro_batch=2,
+    grad_accum=2,
+    clip=0.5,  # active: the gradient norm of this model starts near 2
+    model=TP_GPT,
+)
+SPIKE_STEP = 10  # its targets are random tokens: a loss spike, with clipping hard at work
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRun:
+    """One tensor-parallel configuration."""
+
+    tensor: int
+    data: int = 1
+    zero_stage: int = 1
+    sequence_parallel: bool = False
+    dropout: float = 0.0
+    steps: int = TP_SPEC.steps
+    plan_from: str = "model"  # "model": GPT._tp_plan; "preset": tensor_parallel.preset_model
+
+    def model_config(self) -> GPTConfig:
+        return dataclasses.replace(TP_GPT, dropout=self.dropout, attn_dropout=0.0)
+
+    def config(self) -> dict[str, Any]:
+        tensor_parallel: dict[str, Any] = {"autotp_size": self.tensor}
+        if self.sequence_parallel:
+            tensor_parallel["sequence_parallel"] = True
+        if self.plan_from == "preset":
+            tensor_parallel["preset_model"] = "gpt"
+        return {
+            "train_micro_batch_size_per_gpu": TP_SPEC.micro_batch,
+            "gradient_accumulation_steps": TP_SPEC.grad_accum,
+            "gradient_clipping": TP_SPEC.clip,
+            "optimizer": {"type": TP_SPEC.optimizer, "params": dict(TP_SPEC.opt_params)},
+            "zero_optimization": {
+                "stage": self.zero_stage,
+                "reduce_bucket_size": 4000,
+                "stage3_param_persistence_threshold": 0,
+            },
+            "tensor_parallel": tensor_parallel,
+            "steps_per_print": 1000,
+        }
+
+
+def tp_batches(data_parallel: int, steps: int = TP_SPEC.steps) -> torch.Tensor:
+    """Every step's global batch, with a loss spike at ``SPIKE_STEP``."""
+    spec = dataclasses.replace(TP_SPEC, steps=max(steps, SPIKE_STEP + 1))
+    batches = global_batches(spec, data_parallel).clone()
+    noise = torch.Generator().manual_seed(7)
+    spiked = batches[SPIKE_STEP, :, 1:]
+    spiked.copy_(torch.randint(0, TP_GPT.vocab_size, spiked.shape, generator=noise))
+    return batches
+
+
+def build_gpt(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def whole_params(engine: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of the dense model's shape: this rank's slices all-gathered over
+    the tensor group (in the order each split lays them out)."""
+    splits = tensor_splits(model)
+    tensor = engine.groups.tensor
+    found = {}
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        for name, param in model.named_parameters():
+            value = param.detach().clone()
+            split = splits.get(name)
+            if split is None:
+                found[name] = value
+                continue
+            pieces = torch.empty((tensor.world_size, *value.shape), dtype=value.dtype)
+            tensor.all_gather_into(pieces, value.contiguous(), purpose="test")
+            whole = torch.empty(split.full_shape, dtype=value.dtype)
+            for rank in range(tensor.world_size):
+                theirs = dataclasses.replace(
+                    split,
+                    blocks=even_split(
+                        split.full_shape,
+                        split.dim,
+                        rank,
+                        tensor.world_size,
+                        _parts(split, tensor.world_size),
+                    ).blocks,
+                )
+                start = 0
+                for offset, length in theirs.blocks:
+                    whole.narrow(split.dim, offset, length).copy_(
+                        pieces[rank].narrow(split.dim, start, length)
+                    )
+                    start += length
+            found[name] = whole
+    return found
+
+
+def _parts(split: Any, ranks: int) -> tuple[int, ...]:
+    if len(split.blocks) == 1:
+        return ()
+    return tuple(length * ranks for _, length in split.blocks)
+
+
+def train_tensor_parallel(run: TensorRun) -> dict[str, Any]:
+    """Runs on every rank: ``run.steps`` steps on a data x tensor grid; the global losses
+    and the whole parameters."""
+    model = build_gpt(run.model_config())
+    engine, _, _, _ = zerotrain.initialize(
+        model=model,
+        config=run.config(),
+        topology=Topology(data=run.data, tensor=run.tensor),
+    )
+    assert dist.get_world_size() == run.data * run.tensor
+    data = engine.groups.data
+    batches = tp_batches(run.data, run.steps)
+    spec = dataclasses.replace(TP_SPEC, steps=run.steps)
+    losses = []
+    for step in range(run.steps):
+        total = 0.0
+        for micro in range(spec.grad_accum):
+            x, y = micro_batch(batches, spec, step, micro, data.rank, data.world_size)
+            total += engine.backward(engine(x, y)).item()
+            engine.step()
+        losses.append(data.all_reduce_floats([total])[0] / (data.world_size * spec.grad_accum))
+    return {"losses": losses, "params": whole_params(engine, model)}
+
+
+def train_reference(run: TensorRun) -> dict[str, Any]:
+    """One process, plain PyTorch: the same global batch in the same micro-batches (so that
+    dropout draws the same masks in the same order: data parallelism 1 only)."""
+    model = build_gpt(run.model_config())
+    params = [p for p in model.parameters() if p.requires_grad]
+    p = TP_SPEC.opt_params
+    opt = torch.optim.AdamW(params, lr=p["lr"], weight_decay=p["weight_decay"], eps=p["eps"])
+    batches = tp_batches(run.data, run.steps)
+    spec = dataclasses.replace(TP_SPEC, steps=run.steps)
+    accum = spec.grad_accum
+    losses = []
+    for step in range(run.steps):
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(accum):
+            if run.data == 1:
+                x, y = micro_batch(batches, spec, step, micro, 0, 1)
+            else:  # the micro-step's samples of every data-parallel rank at once
+                rows = [
+                    micro_batch(batches, spec, step, micro, r, run.data) for r in range(run.data)
+                ]
+                x, y = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+            loss = model(x, y)
+            (loss / accum).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, TP_SPEC.clip)
+        opt.step()
+        losses.append(total / accum)
+    params_now = {n: q.detach().clone() for n, q in model.named_parameters()}
+    return {"losses": losses, "params": params_now}
+
+
+def mismatches(result: dict[str, Any], reference: dict[str, Any], tol: float) -> list[str]:
+    """What differs by more than ``tol`` (empty: a match)."""
+    problems = []
+    worst = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"], strict=True))
+    if worst > tol:
+        problems.append(f"loss differs by {worst:.2e}: {result['losses']} vs {reference['losses']}")
+    for name, value in result["params"].items():
+        diff = (value - reference["params"][name]).abs().max().item()
+        if diff > tol:
+            problems.append(f"parameter {name} differs by {diff:.2e}")
+    return problems
