@@ -32,6 +32,7 @@ def _matches(engine: zerotrain.Engine, path: str) -> int:
             assert torch.equal(param.detach(), reader.tensor(name)), name
     state = engine.checkpoint_state()
     names = regions.canonical_names(engine.module)
+    geometry = regions.Geometry.of(engine.module)
     compared = 0
     for slot in regions.optimizer_slots(state):
         unit_names = regions.unit_names(slot.unit, names)
@@ -42,12 +43,12 @@ def _matches(engine: zerotrain.Engine, path: str) -> int:
         assert float(held["step"]) == 3
         for key in ("exp_avg", "exp_avg_sq"):
             mine = held[key].reshape(-1)
-            for s in regions.spans(slot.unit, unit_names, slot.start, slot.end):
-                saved = torch.empty(s.hi - s.lo)
-                region = regions.region(s, shapes[s.name])
-                reader.read_region_into(f"optim.{key}", s.name, region, saved)
-                assert torch.equal(mine[s.at : s.at + s.hi - s.lo], saved), (key, s)
-                compared += s.hi - s.lo
+            for span in regions.spans(slot.unit, unit_names, slot.start, slot.end):
+                for s, region in geometry.places(span, shapes[span.name]):
+                    saved = torch.empty(s.hi - s.lo)
+                    reader.read_region_into(f"optim.{key}", s.name, region, saved)
+                    assert torch.equal(mine[s.at : s.at + s.hi - s.lo], saved), (key, s)
+                    compared += s.hi - s.lo
     return compared
 
 

@@ -29,6 +29,7 @@ TP_SPEC = RunSpec(
     model=TP_GPT,
 )
 SPIKE_STEP = 10  # its targets are random tokens: a loss spike, with clipping hard at work
+GLOBAL_BATCH = 8  # samples per step, whatever the layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,15 @@ class TensorRun:
     steps: int = TP_SPEC.steps
     plan_from: str = "model"  # "model": GPT._tp_plan; "preset": tensor_parallel.preset_model
 
+    @property
+    def grad_accum(self) -> int:
+        """Micro-steps per step: the global batch stays GLOBAL_BATCH for any data degree."""
+        return GLOBAL_BATCH // (TP_SPEC.micro_batch * self.data)
+
+    @property
+    def spec(self) -> RunSpec:
+        return dataclasses.replace(TP_SPEC, steps=self.steps, grad_accum=self.grad_accum)
+
     def model_config(self) -> GPTConfig:
         return dataclasses.replace(TP_GPT, dropout=self.dropout, attn_dropout=0.0)
 
@@ -54,7 +64,7 @@ class TensorRun:
             tensor_parallel["preset_model"] = "gpt"
         return {
             "train_micro_batch_size_per_gpu": TP_SPEC.micro_batch,
-            "gradient_accumulation_steps": TP_SPEC.grad_accum,
+            "gradient_accumulation_steps": self.grad_accum,
             "gradient_clipping": TP_SPEC.clip,
             "optimizer": {"type": TP_SPEC.optimizer, "params": dict(TP_SPEC.opt_params)},
             "zero_optimization": {
@@ -67,10 +77,13 @@ class TensorRun:
         }
 
 
-def tp_batches(data_parallel: int, steps: int = TP_SPEC.steps) -> torch.Tensor:
-    """Every step's global batch, with a loss spike at ``SPIKE_STEP``."""
-    spec = dataclasses.replace(TP_SPEC, steps=max(steps, SPIKE_STEP + 1))
-    batches = global_batches(spec, data_parallel).clone()
+def tp_batches(steps: int = TP_SPEC.steps) -> torch.Tensor:
+    """Every step's global batch (``GLOBAL_BATCH`` samples), with a loss spike at
+    ``SPIKE_STEP``."""
+    spec = dataclasses.replace(
+        TP_SPEC, steps=max(steps, SPIKE_STEP + 1), grad_accum=GLOBAL_BATCH // TP_SPEC.micro_batch
+    )
+    batches = global_batches(spec, 1).clone()
     noise = torch.Generator().manual_seed(7)
     spiked = batches[SPIKE_STEP, :, 1:]
     spiked.copy_(torch.randint(0, TP_GPT.vocab_size, spiked.shape, generator=noise))
@@ -125,9 +138,8 @@ def _parts(split: Any, ranks: int) -> tuple[int, ...]:
     return tuple(length * ranks for _, length in split.blocks)
 
 
-def train_tensor_parallel(run: TensorRun) -> dict[str, Any]:
-    """Runs on every rank: ``run.steps`` steps on a data x tensor grid; the global losses
-    and the whole parameters."""
+def make_engine(run: TensorRun) -> tuple[Any, GPT]:
+    """Runs on every rank: the GPT split over ``run``'s data x tensor grid."""
     model = build_gpt(run.model_config())
     engine, _, _, _ = zerotrain.initialize(
         model=model,
@@ -135,17 +147,30 @@ def train_tensor_parallel(run: TensorRun) -> dict[str, Any]:
         topology=Topology(data=run.data, tensor=run.tensor),
     )
     assert dist.get_world_size() == run.data * run.tensor
+    return engine, model
+
+
+def train_steps(engine: Any, run: TensorRun, first: int, last: int) -> list[float]:
+    """Runs on every rank: steps ``first..last-1``; each step's global mean loss."""
     data = engine.groups.data
-    batches = tp_batches(run.data, run.steps)
-    spec = dataclasses.replace(TP_SPEC, steps=run.steps)
+    batches = tp_batches(max(run.steps, last))
+    spec = dataclasses.replace(run.spec, steps=max(run.steps, last))
     losses = []
-    for step in range(run.steps):
+    for step in range(first, last):
         total = 0.0
         for micro in range(spec.grad_accum):
             x, y = micro_batch(batches, spec, step, micro, data.rank, data.world_size)
             total += engine.backward(engine(x, y)).item()
             engine.step()
         losses.append(data.all_reduce_floats([total])[0] / (data.world_size * spec.grad_accum))
+    return losses
+
+
+def train_tensor_parallel(run: TensorRun) -> dict[str, Any]:
+    """Runs on every rank: ``run.steps`` steps on a data x tensor grid; the global losses
+    and the whole parameters."""
+    engine, model = make_engine(run)
+    losses = train_steps(engine, run, 0, run.steps)
     return {"losses": losses, "params": whole_params(engine, model)}
 
 
@@ -156,8 +181,8 @@ def train_reference(run: TensorRun) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     p = TP_SPEC.opt_params
     opt = torch.optim.AdamW(params, lr=p["lr"], weight_decay=p["weight_decay"], eps=p["eps"])
-    batches = tp_batches(run.data, run.steps)
-    spec = dataclasses.replace(TP_SPEC, steps=run.steps)
+    batches = tp_batches(run.steps)
+    spec = run.spec
     accum = spec.grad_accum
     losses = []
     for step in range(run.steps):

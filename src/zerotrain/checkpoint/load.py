@@ -48,23 +48,23 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
 
 
-def _model_shapes(state: TrainState) -> dict[str, tuple[int, ...]]:
+def _model_shapes(state: TrainState, geometry: regions.Geometry) -> dict[str, tuple[int, ...]]:
     """Global shape of every tensor this rank holds, by name."""
     shapes = {}
     names_by_id = regions.canonical_names(state.module)
     for unit in state.sharded.units:
         names = regions.unit_names(unit, names_by_id)
         for name, spec in zip(names, unit.buffer.layout.params, strict=True):
-            shapes[name] = regions.local_box(spec.shape).lengths
+            shapes[name] = geometry.global_shape(name, tuple(spec.shape))
     for name, param in regions.loose_parameters(state.module, state.sharded):
-        shapes[name] = tuple(param.shape)
+        shapes[name] = geometry.global_shape(name, tuple(param.shape))
     for name, buffer in regions.persistent_buffers(state.module):
         shapes.setdefault(name, tuple(buffer.shape))
     return shapes
 
 
 def _match_model(state: TrainState, manifest: Manifest, path: Path, strict: bool) -> LoadReport:
-    ours = _model_shapes(state)
+    ours = _model_shapes(state, regions.Geometry.of(state.module))
     aliases = set(manifest.aliases)
     theirs = {n: tuple(t.shape) for n, t in manifest.tensors.items()}
     wrong = [
@@ -114,18 +114,30 @@ def _read_span(
     reader: CheckpointReader,
     kind: str,
     source: str,
-    span: regions.Span,
-    shape: tuple[int, ...],
+    places: list[tuple[regions.Span, Region]],
     out: torch.Tensor,
     *,
     partial: bool = False,
 ) -> int:
-    """Fill ``out`` with ``span`` of this rank's parameter (local ``shape``) from ``source``."""
-    return reader.read_region_into(kind, source, regions.region(span, shape), out, partial=partial)
+    """Fill ``out`` (one span of this rank's parameter, as ``places``: its pieces in global
+    regions) from ``source``; returns how many elements were found."""
+    first = places[0][0].at if places else 0
+    found = 0
+    for piece, region in places:
+        part = out[piece.at - first : piece.at - first + piece.hi - piece.lo]
+        found += reader.read_region_into(kind, source, region, part, partial=partial)
+    return found
+
+
+def _covers(
+    reader: CheckpointReader, kind: str, source: str, places: list[tuple[regions.Span, Region]]
+) -> bool:
+    return all(reader.covers_region(kind, source, region) for _, region in places)
 
 
 def _load_params(state: TrainState, reader: CheckpointReader) -> None:
     names_by_id = regions.canonical_names(state.module)
+    geometry = regions.Geometry.of(state.module)
     units = state.sharded.units
     for unit in units:
         names = regions.unit_names(unit, names_by_id)
@@ -140,13 +152,13 @@ def _load_params(state: TrainState, reader: CheckpointReader) -> None:
                     continue
                 at = a + span.at
                 out = regions.param_values(unit, at, at + span.hi - span.lo)
-                wanted = regions.region(span, shapes[span.name])
+                places = geometry.places(span, shapes[span.name])
                 # fp32 values come from the master copy where one was saved.
-                use_master = out.dtype == torch.float32 and reader.covers_region(
-                    "master", source, wanted
+                use_master = out.dtype == torch.float32 and _covers(
+                    reader, "master", source, places
                 )
                 kind = "master" if use_master else "param"
-                _read_span(reader, kind, source, span, shapes[span.name], out)
+                _read_span(reader, kind, source, places, out)
             if unit.master is not None:
                 mlo, mhi = unit.master_range
                 for span in regions.spans(unit, names, mlo, mhi):
@@ -154,15 +166,23 @@ def _load_params(state: TrainState, reader: CheckpointReader) -> None:
                     if source is None:
                         continue
                     out = unit.master[span.at : span.at + span.hi - span.lo]
-                    wanted = regions.region(span, shapes[span.name])
-                    saved = reader.covers_region("master", source, wanted)
-                    kind = "master" if saved else "param"
-                    _read_span(reader, kind, source, span, shapes[span.name], out)
+                    places = geometry.places(span, shapes[span.name])
+                    kind = "master" if _covers(reader, "master", source, places) else "param"
+                    _read_span(reader, kind, source, places, out)
                 unit.publish()
     state.sharded.refresh_params()
     with torch.no_grad():
         for name, param in regions.loose_parameters(state.module, state.sharded):
-            if (source := reader.stored_name(name)) is not None:
+            if (source := reader.stored_name(name)) is None:
+                continue
+            if name in geometry.splits:
+                whole = regions.Span(name, 0, param.numel(), 0)
+                places = geometry.places(whole, tuple(param.shape))
+                kind = "master" if _covers(reader, "master", source, places) else "param"
+                value = torch.empty(param.numel(), dtype=reader.dtype(kind, source) or param.dtype)
+                _read_span(reader, kind, source, places, value)
+                param.data.copy_(value.view(param.shape))
+            else:
                 param.data.copy_(reader.tensor(source, param.dtype))
         for name, buffer in regions.persistent_buffers(state.module):
             if (source := reader.stored_name(name)) is not None:
@@ -215,14 +235,16 @@ def _load_optimizer(state: TrainState, reader: CheckpointReader) -> None:
             "load with load_optimizer_states=False to take only the weights"
         )
     names_by_id = regions.canonical_names(state.module)
+    geometry = regions.Geometry.of(state.module)
     kinds = sorted(k.removeprefix("optim.") for k in reader.kinds() if k.startswith("optim."))
     for slot in regions.optimizer_slots(state):
         names = regions.unit_names(slot.unit, names_by_id)
         shapes = dict(zip(names, (p.shape for p in slot.unit.buffer.layout.params), strict=True))
         spans = [
-            (source, regions.region(s, shapes[s.name]), s)
+            (source, region, piece)
             for s in regions.spans(slot.unit, names, slot.start, slot.end)
             if (source := reader.stored_name(s.name)) is not None
+            for piece, region in geometry.places(s, shapes[s.name])
         ]
         values: dict[str, Any] = {}
         for key in kinds:

@@ -28,16 +28,26 @@ def _place(name: str, region: Region) -> dict[str, Any]:
 class ShardPlan:
     """The tensors one rank writes, and where each element of them belongs."""
 
-    def __init__(self, file: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self, file: str, shapes: dict[str, tuple[int, ...]], geometry: regions.Geometry
+    ) -> None:
         self.file = file
         self.shapes = shapes  # global shape of every tensor this rank holds, by name
+        self.geometry = geometry
         self.tensors: dict[str, torch.Tensor] = {}
         self.fragments: list[dict[str, Any]] = []
         self.scalars: list[dict[str, Any]] = []
 
     def places(self, spans: list[regions.Span]) -> list[tuple[regions.Span, Region]]:
-        """Each span with its global region."""
-        return [(s, regions.region(s, self.shapes[s.name])) for s in spans]
+        """The spans as pieces, each with its global region (a tensor-parallel span may
+        cover several blocks of the global tensor)."""
+        return [
+            piece for s in spans for piece in self.geometry.places(s, self._local_shape(s.name))
+        ]
+
+    def _local_shape(self, name: str) -> tuple[int, ...]:
+        split = self.geometry.splits.get(name)
+        return self.shapes[name] if split is None else split.local_shape
 
     def add(self, key: str, tensor: torch.Tensor, kind: str, spans: list[regions.Span]) -> None:
         """Store flat ``tensor`` under ``key``; ``spans`` say which elements it holds."""
@@ -109,17 +119,24 @@ def plan_units(state: TrainState, plan: ShardPlan, names: dict[int, str]) -> Non
                 plan.add_scalars(slot_spans, scalars)
 
 
-def model_tables(state: TrainState) -> tuple[dict[str, Any], dict[str, str]]:
+def model_tables(
+    state: TrainState, geometry: regions.Geometry
+) -> tuple[dict[str, Any], dict[str, str]]:
     """This rank's ``tensors`` (state-dict order, global shapes) and ``aliases`` tables:
     what it holds of the model. The manifest holds the union over every rank."""
     model = state.module
+    params = {id(p): (name, p) for name, p in model.named_parameters()}
     shapes: dict[int, tuple[tuple[int, ...], torch.dtype | None]] = {}
     for unit in state.sharded.units:
         for param, spec, dtype in zip(
             unit.buffer.params, unit.buffer.layout.params, unit.model_dtypes, strict=True
         ):
-            shapes[id(param)] = (regions.local_box(spec.shape).lengths, dtype)
-    params = {id(p): (name, p) for name, p in model.named_parameters()}
+            name = params[id(param)][0]
+            shapes[id(param)] = (geometry.global_shape(name, tuple(spec.shape)), dtype)
+    for name, param in model.named_parameters():
+        if id(param) not in shapes:  # outside every unit (frozen): split like the rest
+            own = state.original_dtype(param)
+            shapes[id(param)] = (geometry.global_shape(name, tuple(param.shape)), own)
     tensors: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
@@ -143,9 +160,10 @@ def model_tables(state: TrainState) -> tuple[dict[str, Any], dict[str, str]]:
 
 def build_plan(state: TrainState, file: str) -> tuple[ShardPlan, dict[str, Any], dict[str, str]]:
     """Everything this rank writes into ``file``, with its model tables."""
-    tables = model_tables(state)
+    geometry = regions.Geometry.of(state.module)
+    tables = model_tables(state, geometry)
     shapes = {name: tuple(info["shape"]) for name, info in tables[0].items()}
-    plan = ShardPlan(file, shapes)
+    plan = ShardPlan(file, shapes, geometry)
     plan_units(state, plan, regions.canonical_names(state.module))
     placement = state.placement
     where = placement.topology.coordinates(placement.global_rank)

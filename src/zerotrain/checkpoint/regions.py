@@ -15,6 +15,7 @@ from torch import nn
 
 from zerotrain.checkpoint.boxes import Box, Region
 from zerotrain.checkpoint.state import ShardedStateView, TrainState
+from zerotrain.parallel.tensor import TensorSplit, tensor_splits
 from zerotrain.shard.unit import ShardedUnit
 
 
@@ -44,17 +45,45 @@ class Slot:
         return self.start + self.tensor.numel()
 
 
-def local_box(shape: tuple[int, ...]) -> Box:
-    """The box of the global tensor that this rank's parameter of ``shape`` covers.
+class Geometry:
+    """Where each of this rank's tensors sits in its global tensor.
 
-    Every rank holds whole parameters today; tensor parallelism will hand each rank a row
-    or column block here (its offsets in the global tensor and the global shape)."""
-    return Box.whole(shape)
+    A tensor-parallel parameter (``TensorSplit``) holds blocks of the global tensor: one
+    row or column block, or, for a packed projection, its block of each part (concatenated
+    along dimension 0, so the local flattening is the blocks' flattenings in turn). Every
+    other tensor is whole. Spans of a local flattening become regions of global boxes here,
+    so that a checkpoint saved at one tensor-parallel degree loads at any other.
+    """
 
+    def __init__(self, splits: dict[str, TensorSplit]) -> None:
+        self.splits = splits
 
-def region(span: Span, shape: tuple[int, ...]) -> Region:
-    """The global region of ``span`` of a parameter whose local shape is ``shape``."""
-    return Region(local_box(shape), span.lo, span.hi)
+    @classmethod
+    def of(cls, module: nn.Module) -> Geometry:
+        """The geometry of ``module``'s parameters (their tensor-parallel splits)."""
+        return cls(tensor_splits(module))
+
+    def global_shape(self, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the global tensor ``name`` (``local_shape`` on this rank)."""
+        split = self.splits.get(name)
+        return tuple(local_shape) if split is None else split.full_shape
+
+    def places(self, span: Span, local_shape: tuple[int, ...]) -> list[tuple[Span, Region]]:
+        """``span`` of this rank's ``span.name`` (of ``local_shape``) as pieces, each inside
+        one global box: the piece's span (``at`` moved along) and its global region."""
+        split = self.splits.get(span.name)
+        if split is None:
+            return [(span, Region(Box.whole(tuple(local_shape)), span.lo, span.hi))]
+        found = []
+        start = 0
+        for offsets, lengths in split.boxes():
+            box = Box(offsets, lengths)
+            lo, hi = max(span.lo, start), min(span.hi, start + box.numel)
+            if lo < hi:
+                piece = Span(span.name, lo, hi, span.at + lo - span.lo)
+                found.append((piece, Region(box, lo - start, hi - start)))
+            start += box.numel
+        return found
 
 
 def canonical_names(model: nn.Module) -> dict[int, str]:
