@@ -27,6 +27,8 @@ INIT_ERROR = "init_error"  # valid and implemented, but initialize() rejects it 
 # file -> (outcome, substrings the message must contain)
 EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "LambdaLabsML__distributed-training-guide__05-sharding-deepspeed__ds_config.json": (TRAINS, ()),
+    # As written it needs the Hugging Face Trainer's "auto" values; filled in, it trains at
+    # autotp_size 4 (tests/dist/test_tensor_parallel_config.py).
     "deepspeedai__DeepSpeedExamples__training__tensor_parallel__hf_integration__configs__ds_config.json": (
         "config_error",
         ('optimizer.params.lr: is "auto"', "scheduler.params.total_num_steps", "gradient_clipping"),

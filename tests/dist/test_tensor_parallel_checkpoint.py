@@ -15,7 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.tensor import TensorRun, build_gpt, make_engine, train_steps, whole_params
+from tests.helpers.tensor import (
+    TensorRun,
+    build_gpt,
+    make_engine,
+    pipeline_tensor_engine,
+    train_pipeline_tensor,
+    train_steps,
+    whole_params,
+)
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.testing.dist import run_distributed
 
@@ -75,3 +83,26 @@ def test_consolidated_tensors_are_the_dense_model(tmp_path):
     dense = build_gpt(run.model_config())
     for name, _ in dense.named_parameters():
         assert torch.equal(reader.tensor(name), saved["params"][name]), name
+
+
+def _save_pipeline(path: str) -> list[float]:
+    engine, _ = pipeline_tensor_engine(2, 2, heads=4)
+    train_pipeline_tensor(engine, 0, SAVED_AT)
+    engine.save_checkpoint(path, tag="pp")
+    return train_pipeline_tensor(engine, SAVED_AT, CONTINUE_TO)
+
+
+def _load_pipeline(path: str) -> list[float]:
+    engine, _ = pipeline_tensor_engine(1, 4, heads=4)
+    engine.load_checkpoint(path, tag="pp")
+    return train_pipeline_tensor(engine, SAVED_AT, CONTINUE_TO)
+
+
+def test_pipeline_by_tensor_checkpoint_loads_at_tensor_4(tmp_path):
+    # PP=2 x TP=2 -> one stage at TP=4: each stage's blocks, at another split.
+    saved = run_distributed(_save_pipeline, 4, str(tmp_path), timeout=300)
+    loaded = run_distributed(_load_pipeline, 4, str(tmp_path), timeout=300)
+    expected = saved[-1]  # the last stage reports the loss
+    for rank, losses in enumerate(loaded):
+        worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        assert worst < 1e-5, (rank, losses, expected)

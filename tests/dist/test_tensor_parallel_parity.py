@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.tensor import TensorRun, mismatches, train_reference, train_tensor_parallel
+from tests.helpers.pipeline import mismatches as pipeline_mismatches
+from tests.helpers.pipeline import train_reference as pipeline_reference
+from tests.helpers.tensor import (
+    TensorRun,
+    mismatches,
+    pipeline_tensor_engine,
+    train_pipeline_tensor,
+    train_reference,
+    train_tensor_parallel,
+    whole_params,
+)
 from zerotrain.testing.dist import run_distributed
 
 TOL = 1e-5
+PIPE_STEPS = 20
 
 
 def _check(run: TensorRun) -> None:
@@ -48,3 +59,18 @@ def test_dropout_outside_the_split_regions_matches_one_process():
 def test_autotp_preset_splits_the_blocks_only():
     # DeepSpeed's AutoTP layout: blocks split, embeddings and head whole.
     _check(TensorRun(tensor=2, plan_from="preset"))
+
+
+def _pipeline_by_tensor(stages: int, tensor: int) -> dict:
+    engine, module = pipeline_tensor_engine(stages, tensor)
+    losses = train_pipeline_tensor(engine, 0, PIPE_STEPS)
+    return {"losses": losses, "params": whole_params(engine, module)}
+
+
+def test_pipeline_by_tensor_parallel_matches_one_process():
+    # PP=2 x TP=2 on 4 ranks: the blocks split (AutoTP's layout), the stages exchange whole
+    # activations between the tensor ranks' own pipelines.
+    reference = pipeline_reference(steps=PIPE_STEPS)
+    for rank, result in enumerate(run_distributed(_pipeline_by_tensor, 4, 2, 2, timeout=300)):
+        problems = pipeline_mismatches(result, reference, TOL)
+        assert not problems, f"rank {rank}: " + "; ".join(problems[:6])

@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 
 import zerotrain
+from tests.helpers.pipeline import MICRO_BATCHES, PIPE_GPT, PipeRun, micro_batches
 from tests.helpers.training import PARITY_ADAM, RunSpec, global_batches, micro_batch
-from zerotrain.examples.gpt import GPT, GPTConfig
+from zerotrain.examples.gpt import GPT, GPTConfig, gpt_loss_fn, gpt_pipeline_layers
 from zerotrain.parallel.tensor import tensor_splits
 from zerotrain.parallel.tensor.splits import even_split
 from zerotrain.parallel.topology import Topology
+from zerotrain.pipe import PipelineModule
 
 # Heads, embedding width and vocabulary divisible by 4; no biases (see training.py's TINY).
 TP_GPT = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False)
@@ -217,3 +219,29 @@ def mismatches(result: dict[str, Any], reference: dict[str, Any], tol: float) ->
         if diff > tol:
             problems.append(f"parameter {name} differs by {diff:.2e}")
     return problems
+
+
+def pipeline_tensor_engine(
+    stages: int, tensor: int, zero_stage: int = 1, heads: int = 2
+) -> tuple[Any, Any]:
+    """Runs on every rank: the pipeline GPT over a (pipe x data x tensor) grid, its blocks
+    split by DeepSpeed AutoTP's layout for it (``preset_model: "gpt"``)."""
+
+    data = dist.get_world_size() // (stages * tensor)
+    topology = Topology(pipe=stages, data=data, tensor=tensor)
+    cfg = dataclasses.replace(PIPE_GPT, n_head=heads)
+    module = PipelineModule(
+        gpt_pipeline_layers(cfg), topology=topology, loss_fn=gpt_loss_fn, seed_layers=True
+    )
+    config = PipeRun(stages=stages, zero_stage=zero_stage).config(data)
+    config["tensor_parallel"] = {"autotp_size": tensor, "preset_model": "gpt"}
+    engine, _, _, _ = zerotrain.initialize(model=module, config=config, topology=topology)
+    return engine, module
+
+
+def train_pipeline_tensor(engine: Any, first: int, last: int) -> list[float]:
+    """Runs on every rank: ``train_batch`` steps ``first..last-1``; their losses."""
+    return [
+        float(engine.train_batch(iter(micro_batches(engine, step, MICRO_BATCHES))))
+        for step in range(first, last)
+    ]

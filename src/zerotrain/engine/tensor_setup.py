@@ -74,6 +74,32 @@ def tensor_plan(cfg: ZeroTrainConfig, model: nn.Module, degree: int) -> tuple[di
     return resolve_plan(model, section)
 
 
+# Attributes that hold an attention layer's head counts (the demo GPT's, transformers').
+_HEAD_COUNTS = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
+
+
+def check_heads(model: nn.Module, degree: int) -> None:
+    """Refuse, naming the module, a head count the degree does not divide: each rank must
+    hold whole heads (zerotrain does not split heads unevenly).
+
+    Raises:
+        ValueError: a module (or a transformers model's config) with such a head count.
+    """
+    holders: list[tuple[str, object]] = list(model.named_modules())
+    config = getattr(model, "config", None)
+    if config is not None:
+        holders.append(("config", config))
+    for name, holder in holders:
+        for attr in _HEAD_COUNTS:
+            count = getattr(holder, attr, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count % degree:
+                raise ValueError(
+                    f"tensor parallelism of {degree}: '{name or type(model).__name__}' has "
+                    f"{attr}={count}, which {degree} ranks cannot share as whole heads; use a "
+                    f"degree that divides it (grouped-query attention: the key/value heads too)"
+                )
+
+
 def _same_random_state(groups: ProcessGroups, device: torch.device) -> None:
     """Give every rank of the tensor group rank 0's default generator: dropout outside the
     split regions must draw the same masks on all of them."""
@@ -96,6 +122,7 @@ def split_model(
 ) -> TensorParallelSetup:
     """Make the tensor group's ranks start alike, then cut ``model`` with ``plan``."""
     tensor = groups.tensor
+    check_heads(model, tensor.world_size)
     with torch.no_grad():
         state = [p.data for p in model.parameters()] + list(model.buffers())
         broadcast_tensors(tensor, state, _BROADCAST_NUMEL, src=0)

@@ -53,6 +53,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+        self.n_head = cfg.n_head  # of the whole layer (tensor parallelism checks it divides)
         self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
