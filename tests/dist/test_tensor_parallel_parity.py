@@ -74,3 +74,18 @@ def test_pipeline_by_tensor_parallel_matches_one_process():
     for rank, result in enumerate(run_distributed(_pipeline_by_tensor, 4, 2, 2, timeout=300)):
         problems = pipeline_mismatches(result, reference, TOL)
         assert not problems, f"rank {rank}: " + "; ".join(problems[:6])
+
+
+def _three_d(steps: int) -> dict:
+    engine, module = pipeline_tensor_engine(2, 2)
+    losses = train_pipeline_tensor(engine, 0, steps)
+    return {"losses": losses, "params": whole_params(engine, module)}
+
+
+def test_pipe_by_data_by_tensor_matches_one_process():
+    # The full grid on 8 ranks: PP=2 x DP=2 x TP=2 (ZeRO-1 over each data pair).
+    steps = 6
+    reference = pipeline_reference(steps=steps, data_parallel=2)
+    for rank, result in enumerate(run_distributed(_three_d, 8, steps, timeout=400)):
+        problems = pipeline_mismatches(result, reference, TOL)
+        assert not problems, f"rank {rank}: " + "; ".join(problems[:6])

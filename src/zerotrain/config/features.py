@@ -139,6 +139,11 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         section = getattr(cfg, name)
         if section is not None and _loose_enabled(name, section):
             found.append(f"{name}: {name.replace('_', ' ')}")
+    if cfg.activation_checkpointing.partition_activations and tensor_parallel_size(cfg) > 1:
+        found.append(
+            "activation_checkpointing.partition_activations=true with tensor parallelism: "
+            "splitting checkpointed activations across the tensor group"
+        )
     if cfg.sequence_parallel_size > 1:
         found.append(f"sequence_parallel_size={cfg.sequence_parallel_size}: sequence parallelism")
     return found
@@ -186,7 +191,14 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
             "bf16.immediate_grad_update: gradients are always added into the accumulation "
             "buffer as autograd produces them; this key has no effect"
         )
-    if cfg.activation_checkpointing.partition_activations:
+    if cfg.tensor_parallel is not None:
+        for key in ("tp_overlap_comm", "keep_module_on_host"):
+            if getattr(cfg.tensor_parallel, key):
+                notes.append(
+                    f"tensor_parallel.{key}: zerotrain splits the model as initialize starts "
+                    "and overlaps nothing there; this key has no effect"
+                )
+    if cfg.activation_checkpointing.partition_activations and tensor_parallel_size(cfg) == 1:
         notes.append(
             "activation_checkpointing.partition_activations splits checkpoint inputs over the "
             "tensor-parallel group; without tensor parallelism (size 1) it has no effect"
