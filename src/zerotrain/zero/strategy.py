@@ -29,6 +29,7 @@ from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import LargeAllocationMapping
+from zerotrain.utils.norms import squared_norms, sum_squares
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
@@ -173,10 +174,10 @@ class ZeroStrategy:
         # Units whose gradients another rank of a distinct axis also holds (a pipeline
         # stage's copy of a tied embedding): left out of the global norm, counted once.
         self._norm_excluded: set[int] = set()
-        # Per unit: 1 where this rank counts the owned gradient element in the global norm,
-        # 0 where another rank along a distinct axis counts the same element (parameters
-        # whole on every tensor-parallel rank, counted on the group's first rank only).
-        self._norm_masks: dict[int, torch.Tensor] = {}
+        # Per unit with elements another rank along a distinct axis counts (parameters whole
+        # on every tensor-parallel rank, counted on the group's first rank only): the
+        # ranges of its owned gradient slice this rank counts in the global norm.
+        self._norm_ranges: dict[int, list[tuple[int, int]]] = {}
         self._trainable_ids = torch.tensor(
             [
                 pid
@@ -353,24 +354,24 @@ class ZeroStrategy:
         for unit in self.units:
             unit.check_reduced()
         squares = [
-            self._masked_squares(k, u) if k in self._norm_masks else u.grad_squared_norm()
+            self._counted_squares(k, u) if k in self._norm_ranges else u.grad_squared_norm()
             for k, u in enumerate(self.units)
             if k not in self._norm_excluded
         ]
         return norm_from_squares(squares, self.global_norm_reducer())
 
-    def _masked_squares(self, k: int, unit: ShardedUnit) -> torch.Tensor:
+    def _counted_squares(self, k: int, unit: ShardedUnit) -> torch.Tensor:
         if unit.grads.slot.streamed:
             raise NotImplementedError(
                 f"{unit!r}: the global gradient norm of a unit holding both split and whole "
                 "tensor-parallel parameters needs its gradient in memory, but it is kept in "
                 "a swap file (NVMe offload); offload to the CPU instead"
             )
-        grad = unit.grad_shard.double()
-        mask = self._norm_masks[k]
-        if mask.device != grad.device:
-            mask = self._norm_masks[k] = mask.to(grad.device)
-        return (grad * grad * mask).sum()
+        grad = unit.grad_shard
+        parts = [grad[a:b] for a, b in self._norm_ranges[k]]
+        return (
+            sum_squares(squared_norms(parts)) if parts else grad.new_zeros((), dtype=torch.float64)
+        )
 
     def count_once_elsewhere(self, params: Iterable[torch.Tensor]) -> None:
         """Leave ``params``'s gradient elements out of :meth:`grad_norm` on this rank:
@@ -379,15 +380,21 @@ class ZeroStrategy:
         ids = {id(p) for p in params}
         for k, unit in enumerate(self.units):
             lo, hi = unit.owned
-            mask: torch.Tensor | None = None
+            skipped = []
             for param, spec in zip(unit.buffer.params, unit.buffer.layout.params, strict=True):
                 a, b = max(lo, spec.start), min(hi, spec.end)
                 if id(param) in ids and a < b:
-                    if mask is None:
-                        mask = torch.ones(hi - lo, dtype=torch.float64)
-                    mask[a - lo : b - lo] = 0.0
-            if mask is not None:
-                self._norm_masks[k] = mask
+                    skipped.append((a - lo, b - lo))
+            if not skipped:
+                continue
+            counted, at = [], 0
+            for a, b in sorted(skipped):
+                if a > at:
+                    counted.append((at, a))
+                at = max(at, b)
+            if at < hi - lo:
+                counted.append((at, hi - lo))
+            self._norm_ranges[k] = counted
 
     def units_under(self, prefix: str) -> list[int]:
         """Indices of the units whose parameters are all named under ``prefix``."""
