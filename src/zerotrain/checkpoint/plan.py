@@ -29,11 +29,15 @@ class ShardPlan:
     """The tensors one rank writes, and where each element of them belongs."""
 
     def __init__(
-        self, file: str, shapes: dict[str, tuple[int, ...]], geometry: regions.Geometry
+        self,
+        file: str,
+        shapes: dict[str, tuple[int, ...]],
+        geometry: regions.Geometry | None = None,
     ) -> None:
         self.file = file
         self.shapes = shapes  # global shape of every tensor this rank holds, by name
-        self.geometry = geometry
+        # Where tensor-parallel slices sit in their global tensors (default: all whole).
+        self.geometry = geometry or regions.Geometry({})
         self.tensors: dict[str, torch.Tensor] = {}
         self.fragments: list[dict[str, Any]] = []
         self.scalars: list[dict[str, Any]] = []
