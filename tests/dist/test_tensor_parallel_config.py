@@ -20,7 +20,7 @@ import torch
 
 import zerotrain
 from tests.dist.test_peer_configs import PEER_DIR
-from tests.helpers.tensor import TP_GPT, build_gpt
+from tests.helpers.tensor import TP_GPT, build_gpt, tiny_llama
 from zerotrain.parallel.topology import Topology
 from zerotrain.testing.dist import run_distributed
 
@@ -69,17 +69,7 @@ def _filled(tensor_parallel: bool) -> dict[str, Any]:
 
 
 def _llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).float()
+    return tiny_llama(kv_heads=4)
 
 
 def _train(tensor_parallel: bool) -> list[float]:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.pipeline import mismatches as pipeline_mismatches
+from tests.helpers.pipeline import mismatches
 from tests.helpers.pipeline import train_reference as pipeline_reference
 from tests.helpers.tensor import (
     TensorRun,
-    mismatches,
     pipeline_tensor_engine,
     train_pipeline_tensor,
     train_reference,
@@ -72,7 +71,7 @@ def test_pipeline_by_tensor_parallel_matches_one_process():
     # activations between the tensor ranks' own pipelines.
     reference = pipeline_reference(steps=PIPE_STEPS)
     for rank, result in enumerate(run_distributed(_pipeline_by_tensor, 4, 2, 2, timeout=300)):
-        problems = pipeline_mismatches(result, reference, TOL)
+        problems = mismatches(result, reference, TOL)
         assert not problems, f"rank {rank}: " + "; ".join(problems[:6])
 
 
@@ -87,5 +86,5 @@ def test_pipe_by_data_by_tensor_matches_one_process():
     steps = 6
     reference = pipeline_reference(steps=steps, data_parallel=2)
     for rank, result in enumerate(run_distributed(_three_d, 8, steps, timeout=400)):
-        problems = pipeline_mismatches(result, reference, TOL)
+        problems = mismatches(result, reference, TOL)
         assert not problems, f"rank {rank}: " + "; ".join(problems[:6])

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 
+from tests.helpers.tensor import tiny_llama
 from zerotrain.comm.collectives import Communicator
 from zerotrain.parallel.tensor import model_tp_plan, parallelize
 from zerotrain.testing.dist import run_distributed
@@ -23,17 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).float()
+    return tiny_llama(kv_heads=2)
 
 
 def _split_dim(dense: torch.Tensor, mine: torch.Tensor) -> int | None:

@@ -92,6 +92,23 @@ def tp_batches(steps: int = TP_SPEC.steps) -> torch.Tensor:
     return batches
 
 
+def tiny_llama(kv_heads: int) -> torch.nn.Module:
+    """A tiny ``transformers`` Llama (4 heads, ``kv_heads`` key/value heads), seeded."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
 def build_gpt(cfg: GPTConfig) -> GPT:
     torch.manual_seed(0)
     return GPT(cfg)
@@ -206,19 +223,6 @@ def train_reference(run: TensorRun) -> dict[str, Any]:
         losses.append(total / accum)
     params_now = {n: q.detach().clone() for n, q in model.named_parameters()}
     return {"losses": losses, "params": params_now}
-
-
-def mismatches(result: dict[str, Any], reference: dict[str, Any], tol: float) -> list[str]:
-    """What differs by more than ``tol`` (empty: a match)."""
-    problems = []
-    worst = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"], strict=True))
-    if worst > tol:
-        problems.append(f"loss differs by {worst:.2e}: {result['losses']} vs {reference['losses']}")
-    for name, value in result["params"].items():
-        diff = (value - reference["params"][name]).abs().max().item()
-        if diff > tol:
-            problems.append(f"parameter {name} differs by {diff:.2e}")
-    return problems
 
 
 def pipeline_tensor_engine(
