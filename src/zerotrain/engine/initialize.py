@@ -43,7 +43,7 @@ from zerotrain.engine.pipeline_setup import (
     tied_groups,
 )
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
-from zerotrain.engine.tensor_setup import TensorParallelSetup, split_model, tensor_plan
+from zerotrain.engine.tensor_setup import split_model, tensor_plan
 from zerotrain.offload.manager import Offload
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.pipeline.module import PipelineModule
@@ -190,7 +190,7 @@ def _tensor_parallel_plan(
             type(model).__name__,
         )
         return None
-    return tensor_plan(cfg, model, degree)
+    return tensor_plan(cfg, model)
 
 
 def _check_not_wrapped(model: nn.Module) -> None:
@@ -322,20 +322,21 @@ def initialize(
         for tensor in [*model.buffers(), *(p for p in model.parameters() if not p.is_meta)]:
             tensor.data = tensor.data.to(env.device)
     _check_not_wrapped(model)
-    tensor_setup: TensorParallelSetup | None = None
-    if plan is not None:
-        # Split before blocks are wrapped for checkpointing: the plan names modules by path.
-        tensor_setup = split_model(model, cfg, groups, *plan, env.device)
-        replicas = [comm]
-    checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
-        model, policies.activation_checkpointing, env.device
-    )
     with torch.no_grad():
         # Parameters from zero.Init need no broadcast: every rank replays rank 0's recipe.
+        # A model about to be split is whole here: its tensor group takes rank 0's values.
         params = [p.data for p in model.parameters() if not p.is_meta]
         state = params + list(model.buffers())
         for replica in replicas:
             broadcast_tensors(replica, state, _INIT_BUCKET_NUMEL, src=0)
+    # Parameters whole on every tensor rank (counted once in the global norm).
+    tensor_whole: list[nn.Parameter] | None = None
+    if plan is not None:
+        # Split before blocks are wrapped for checkpointing: the plan names modules by path.
+        tensor_whole = split_model(model, cfg, groups, *plan, env.device)
+    checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
+        model, policies.activation_checkpointing, env.device
+    )
     # Copies of a tied module on several stages start from the lowest stage's values.
     ties = tied_groups(world, pipe_module) if pipe_module is not None else []
 
@@ -372,12 +373,12 @@ def initialize(
             precision,
             offload,
             # Pipeline stages hold different parameters, tensor ranks different slices.
-            distinct_axes=[groups.pipe, *([groups.tensor] if tensor_setup else [])],
+            distinct_axes=[groups.pipe, *([groups.tensor] if tensor_whole is not None else [])],
             isolate=isolated_prefixes(pipe_module) if pipe_module is not None else (),
         )
-        if tensor_setup is not None and groups.tensor.rank != 0:
+        if tensor_whole is not None and groups.tensor.rank != 0:
             # Whole on every tensor rank, with the same gradients: the first rank counts them.
-            strategy.count_once_elsewhere(tensor_setup.whole)
+            strategy.count_once_elsewhere(tensor_whole)
     except BaseException:
         if offload is not None:
             offload.close()  # its swap files and allocator setting; no engine will

@@ -1,15 +1,14 @@
 """Tensor parallelism at ``initialize``: which plan, and splitting the model with it.
 
-Every rank of a tensor group starts from the same dense model (rank 0's values and random
-state), then keeps its own slices (``zerotrain.parallel.tensor.parallelize``). What the rest
-of the engine needs to know afterwards: the parameters that stayed whole on every rank of
+Every rank of a tensor group starts from the same dense model (``initialize`` broadcasts
+rank 0's values; here its random state), then keeps its own slices
+(``zerotrain.parallel.tensor.parallelize``). What the rest of the engine needs to know
+afterwards: the parameters that stayed whole on every rank of
 the group (LayerNorms, row biases, position embeddings), whose gradients the group's ranks
 hold identically, so the global gradient norm counts them on one rank only.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,28 +29,15 @@ from zerotrain.utils.logging import get_logger
 
 log = get_logger(__name__)
 
-_BROADCAST_NUMEL = 50_000_000
+_BROADCAST_NUMEL = 1 << 20  # random states and the seed: small tensors
 # Optimizers whose update reads a per-parameter norm (trust ratios): under tensor
 # parallelism a split parameter's norm would be its slice's.
 _PER_PARAMETER_NORM = frozenset({"lamb", "onebitlamb"})
 
 
-@dataclass(frozen=True)
-class TensorParallelSetup:
-    """What splitting the model produced.
-
-    Attributes:
-        plan: the plan applied (module glob -> style), and ``source``: where it came from.
-        whole: parameters whole on every rank of the tensor group.
-    """
-
-    plan: dict[str, str]
-    source: str
-    whole: list[nn.Parameter]
-
-
-def tensor_plan(cfg: ZeroTrainConfig, model: nn.Module, degree: int) -> tuple[dict[str, str], str]:
-    """The plan that splits ``model`` ``degree`` ways: the config's, else the model's own.
+def tensor_plan(cfg: ZeroTrainConfig, model: nn.Module) -> tuple[dict[str, str], str]:
+    """The plan that splits ``model``: the config's, else the model's own (the head counts
+    are checked against the degree when the model is split).
 
     Raises:
         ValueError: none applies, or the config's optimizer cannot be split.
@@ -63,13 +49,7 @@ def tensor_plan(cfg: ZeroTrainConfig, model: nn.Module, degree: int) -> tuple[di
             "need each parameter's whole norm, and zerotrain does not sum them over the "
             "tensor group yet; use Adam/AdamW, or no tensor parallelism"
         )
-    if section is None:
-        if not getattr(model, "_tp_plan", None):
-            raise ValueError(
-                f"the topology has a tensor axis of {degree}, but {type(model).__name__} carries "
-                "no tensor-parallel plan (_tp_plan) and the config has no tensor_parallel "
-                "section: give tensor_parallel.plan, partition_config or preset_model"
-            )
+    if section is None:  # a topology with a tensor axis: the model's own plan
         return model_tp_plan(model), f"{type(model).__name__}._tp_plan"
     return resolve_plan(model, section)
 
@@ -119,13 +99,12 @@ def split_model(
     plan: dict[str, str],
     source: str,
     device: torch.device,
-) -> TensorParallelSetup:
-    """Make the tensor group's ranks start alike, then cut ``model`` with ``plan``."""
+) -> list[nn.Parameter]:
+    """Give the tensor group's ranks one random state, then cut ``model`` (the same dense
+    values on every rank of the group) with ``plan``. Returns the parameters left whole on
+    every rank of the group."""
     tensor = groups.tensor
     check_heads(model, tensor.world_size)
-    with torch.no_grad():
-        state = [p.data for p in model.parameters()] + list(model.buffers())
-        broadcast_tensors(tensor, state, _BROADCAST_NUMEL, src=0)
     _same_random_state(groups, device)
     seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64, device=device)
     broadcast_tensors(groups.world, [seed], _BROADCAST_NUMEL, src=0)
@@ -145,4 +124,4 @@ def split_model(
         len(whole),
         len(list(model.parameters())),
     )
-    return TensorParallelSetup(plan, source, whole)
+    return whole
