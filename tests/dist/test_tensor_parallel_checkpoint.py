@@ -46,7 +46,7 @@ def _load(run: TensorRun, path: str) -> dict:
 
 
 def _ranks(run: TensorRun) -> int:
-    return run.data * run.tensor
+    return run.world
 
 
 CASES = [

@@ -29,7 +29,7 @@ PIPE_STEPS = 20
 
 def _check(run: TensorRun) -> None:
     reference = train_reference(run)
-    results = run_distributed(train_tensor_parallel, run.data * run.tensor, run, timeout=300)
+    results = run_distributed(train_tensor_parallel, run.world, run, timeout=300)
     for rank, result in enumerate(results):
         problems = mismatches(result, reference, TOL)
         assert not problems, f"rank {rank}: " + "; ".join(problems[:6])

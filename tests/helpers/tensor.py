@@ -40,11 +40,16 @@ class TensorRun:
 
     tensor: int
     data: int = 1
+    sequence: int = 1  # Ulysses degree
     zero_stage: int = 1
     sequence_parallel: bool = False
     dropout: float = 0.0
     steps: int = TP_SPEC.steps
     plan_from: str = "model"  # "model": GPT._tp_plan; "preset": tensor_parallel.preset_model
+
+    @property
+    def world(self) -> int:
+        return self.data * self.sequence * self.tensor
 
     @property
     def grad_accum(self) -> int:
@@ -74,7 +79,8 @@ class TensorRun:
                 "reduce_bucket_size": 4000,
                 "stage3_param_persistence_threshold": 0,
             },
-            "tensor_parallel": tensor_parallel,
+            **({"tensor_parallel": tensor_parallel} if self.tensor > 1 else {}),
+            "sequence_parallel_size": self.sequence,
             "steps_per_print": 1000,
         }
 
@@ -163,15 +169,16 @@ def make_engine(run: TensorRun) -> tuple[Any, GPT]:
     engine, _, _, _ = zerotrain.initialize(
         model=model,
         config=run.config(),
-        topology=Topology(data=run.data, tensor=run.tensor),
+        topology=Topology(data=run.data, sequence=run.sequence, tensor=run.tensor),
     )
-    assert dist.get_world_size() == run.data * run.tensor
+    assert dist.get_world_size() == run.world
     return engine, model
 
 
 def train_steps(engine: Any, run: TensorRun, first: int, last: int) -> list[float]:
-    """Runs on every rank: steps ``first..last-1``; each step's global mean loss."""
-    data = engine.groups.data
+    """Runs on every rank: steps ``first..last-1``; each step's global mean loss. Under
+    Ulysses each rank of a sequence group feeds its slice of the same samples."""
+    data, replicas = engine.groups.data, engine.groups.zero
     batches = tp_batches(max(run.steps, last))
     spec = dataclasses.replace(run.spec, steps=max(run.steps, last))
     losses = []
@@ -179,9 +186,14 @@ def train_steps(engine: Any, run: TensorRun, first: int, last: int) -> list[floa
         total = 0.0
         for micro in range(spec.grad_accum):
             x, y = micro_batch(batches, spec, step, micro, data.rank, data.world_size)
-            total += engine.backward(engine(x, y)).item()
+            batch = engine.shard_sequence({"idx": x, "targets": y})
+            total += engine.backward(engine(**batch)).item()
             engine.step()
-        losses.append(data.all_reduce_floats([total])[0] / (data.world_size * spec.grad_accum))
+        # Each rank's loss is its slice's sum over the sequence's targets / P: their mean
+        # over data x sequence is the global mean.
+        losses.append(
+            replicas.all_reduce_floats([total])[0] / (replicas.world_size * spec.grad_accum)
+        )
     return losses
 
 

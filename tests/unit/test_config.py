@@ -398,10 +398,10 @@ def test_initialize_refuses_unbuilt_features_before_touching_the_model():
 
     import zerotrain
 
-    with pytest.raises(NotImplementedError, match=r"sequence_parallel_size"):
+    with pytest.raises(NotImplementedError, match=r"dump_state"):
         zerotrain.initialize(
             model=torch.nn.Linear(2, 2),
-            config={"train_batch_size": 2, "sequence_parallel_size": 2},
+            config={"train_batch_size": 2, "dump_state": True},
         )
     assert not torch.distributed.is_initialized()  # refused before joining a group
 
@@ -486,7 +486,7 @@ def test_grid_sizes_come_from_the_config_and_unimplemented_axes_are_refused_by_n
         2,
     )
     found = "\n".join(not_implemented(grid))
-    assert "sequence_parallel_size=2: sequence parallelism" in found
+    assert "sequence" not in found  # runs (initialize routes the model's attention)
     assert "tensor_parallel" not in found  # runs (initialize finds the plan)
     assert "pipeline" not in found  # runs (with a PipelineModule; initialize checks that)
     assert only_problem({"train_batch_size": 2, "pipeline": {"stages": 0}}) == (

@@ -144,8 +144,6 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
             "activation_checkpointing.partition_activations=true with tensor parallelism: "
             "splitting checkpointed activations across the tensor group"
         )
-    if cfg.sequence_parallel_size > 1:
-        found.append(f"sequence_parallel_size={cfg.sequence_parallel_size}: sequence parallelism")
     return found
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.estimate import MemoryEstimate
 from zerotrain.optim.clip import clip_coefficient
 from zerotrain.parallel.groups import ProcessGroups
+from zerotrain.parallel.sequence import shard_batch
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
@@ -140,6 +141,15 @@ class Engine(RankQueries, nn.Module):
         self.telemetry.before_forward(self)
         with self.telemetry.phase("forward"), self.activation_checkpointing.active():
             return self.module(*args, **kwargs)
+
+    def shard_sequence(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's slice of a batch of whole sequences under Ulysses sequence parallelism
+        (``zerotrain.parallel.sequence.shard_batch``: global ``position_ids``, targets
+        aligned before the split, ``num_items_in_batch`` so the loss stays the sequence's
+        mean); the batch unchanged without it, so one script runs at every degree."""
+        if self.groups.sequence.world_size == 1:
+            return dict(batch)
+        return shard_batch(batch, self.groups.sequence)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step whose ``step()`` updates the parameters."""

@@ -42,6 +42,7 @@ from zerotrain.engine.pipeline_setup import (
     prepare_pipeline,
     tied_groups,
 )
+from zerotrain.engine.sequence_setup import route_attention
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
 from zerotrain.engine.tensor_setup import split_model, tensor_plan
 from zerotrain.offload.manager import Offload
@@ -138,16 +139,22 @@ def _resolve_topology(
     parallelism over the rest."""
     if isinstance(model, PipelineModule):
         stages = cfg.pipeline.stages if cfg.pipeline is not None else None
-        return pipeline_topology(
+        grid = pipeline_topology(
             model, given, stages if isinstance(stages, int) else None, world_size
         )
+        if grid.sequence > 1 or cfg.sequence_parallel_size > 1:
+            raise NotImplementedError(
+                "Ulysses sequence parallelism (sequence_parallel_size or a topology sequence "
+                "axis > 1) inside a PipelineModule is not implemented yet; for long sequences "
+                "in a pipeline use tensor parallelism with tensor_parallel.sequence_parallel"
+            )
+        return grid
     if pipeline_stages(cfg) > 1 or (given is not None and given.pipe > 1):
         raise ValueError(
             "pipeline parallelism (pipeline.stages or topology pipe > 1) needs the model as a "
             "zerotrain.pipe.PipelineModule: its layers are split into stages when it is built"
         )
     if given is None:
-        # A sequence degree above 1 is refused by _refuse_unimplemented until it is wired.
         return Topology.from_world(
             world_size,
             pipe=pipeline_stages(cfg),
@@ -161,15 +168,15 @@ def _resolve_topology(
             f"topology {given} has a tensor axis of {given.tensor}, but the config's "
             f"tensor_parallel.autotp_size is {tensor_parallel_size(cfg)}; make them equal"
         )
+    if given.sequence != cfg.sequence_parallel_size and cfg.sequence_parallel_size > 1:
+        raise ValueError(
+            f"topology {given} has a sequence axis of {given.sequence}, but the config's "
+            f"sequence_parallel_size is {cfg.sequence_parallel_size}; make them equal"
+        )
     if given.world_size != world_size:
         raise ValueError(
             f"topology {given} has {given.world_size} ranks, but the job has {world_size} "
             "processes: pipe x data x sequence x tensor must equal the number of processes"
-        )
-    if given.sequence > 1:
-        raise NotImplementedError(
-            f"topology {given}: sequence parallelism (sequence > 1) is not implemented yet; "
-            "use sequence=1"
         )
     return given
 
@@ -334,6 +341,8 @@ def initialize(
     if plan is not None:
         # Split before blocks are wrapped for checkpointing: the plan names modules by path.
         tensor_whole = split_model(model, cfg, groups, *plan, env.device)
+    if groups.sequence.world_size > 1:
+        log.info("Ulysses: attention routed through %s", route_attention(model, groups.sequence))
     checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
         model, policies.activation_checkpointing, env.device
     )

@@ -46,6 +46,19 @@ class GPTConfig:
     tie_weights: bool = True
 
 
+class CausalCore(nn.Module):
+    """Causal scaled dot-product attention on ``[batch, heads, time, head_dim]`` tensors:
+    the part Ulysses sequence parallelism runs on whole sequences (``GPT._sp_plan``)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position sees only earlier ones."""
 
@@ -57,20 +70,19 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout
+        self.core = CausalCore(cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The head count follows from the projection's width: under tensor parallelism the
         # packed qkv holds this rank's heads only. The sequence length too: with sequence
-        # parallelism x is this rank's slice and qkv gathers the whole sequence.
+        # parallelism x is this rank's slice and qkv gathers the whole sequence; with Ulysses
+        # it is this rank's slice, and the core sees the whole sequence for some heads.
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         b, t = q.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         with tensor_parallel_rng(self):
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-            )
+            y = self.core(q, k, v)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -107,12 +119,18 @@ class GPT(nn.Module):
 
     ``forward(idx)`` returns logits of shape (batch, time, vocab); ``forward(idx, targets)``
     returns the mean cross-entropy loss, which is what ``engine(batch)`` is expected to give.
+    ``position_ids`` place a slice of a longer sequence and ``num_items_in_batch`` replaces
+    the mean's denominator (the loss is then ``sum / num_items_in_batch``): what
+    ``zerotrain.parallel.sequence.shard_batch`` hands each rank under Ulysses.
 
     ``_tp_plan`` splits it Megatron's way: the token embedding and the (tied) head along the
     vocabulary, qkv and the MLP's first layer by output columns, the two output projections
     by input rows; the position embedding and LayerNorms stay whole. The ``sequence`` entries
-    act only with Megatron sequence parallelism.
+    act only with Megatron sequence parallelism. ``_sp_plan`` names the attention cores that
+    Ulysses sequence parallelism runs on whole sequences.
     """
+
+    _sp_plan: ClassVar[dict[str, str]] = {"blocks.*.attn.core": "bhsd"}
 
     _tp_plan: ClassVar[dict[str, str]] = {
         "wte": "vocab",
@@ -153,11 +171,24 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | float | None = None,
+    ) -> Any:
         _, t = idx.shape
         if t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        if position_ids is None:
+            pos = torch.arange(t, device=idx.device)
+        elif int(position_ids.max()) >= self.cfg.block_size:
+            raise ValueError(
+                f"position {int(position_ids.max())} exceeds block_size {self.cfg.block_size}"
+            )
+        else:
+            pos = position_ids
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
@@ -167,10 +198,16 @@ class GPT(nn.Module):
             # The vocabulary is split: this rank holds its columns of the logits.
             if targets is None:
                 return gather_along(logits, head.comm, -1)
-            return vocab_parallel_cross_entropy(logits, targets, head.comm).mean()
-        if targets is None:
+            losses = vocab_parallel_cross_entropy(logits, targets, head.comm)
+        elif targets is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        else:
+            losses = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+            )
+        if num_items_in_batch is None:
+            return losses.mean()
+        return losses.sum() / num_items_in_batch
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied weight counted once)."""
