@@ -1,7 +1,8 @@
 """Checkpoints of tensor-parallel jobs load into any other layout and continue the loss
 trajectory.
 
-Each case trains the demo GPT 3 steps in one layout (tensor x data, a ZeRO stage), saves,
+Each case trains the demo GPT 3 steps in one layout (tensor x sequence x data, a ZeRO
+stage), saves,
 and trains 2 more steps; a job in another layout loads the checkpoint and trains the same 2
 steps (same global batch, the data-parallel degree changes only the accumulation): its
 losses must equal the first job's continuation within 1e-5. Tensor-parallel slices are
@@ -60,6 +61,15 @@ CASES = [
     ),
     pytest.param(
         TensorRun(tensor=2, zero_stage=3), TensorRun(tensor=4, zero_stage=3), id="stage3-tp2-to-tp4"
+    ),
+    # Ulysses: ZeRO shards over data x sequence; the model is whole on every sequence rank.
+    pytest.param(
+        TensorRun(tensor=2, sequence=2, zero_stage=2), TensorRun(tensor=1), id="sp2xtp2-to-tp1"
+    ),
+    pytest.param(
+        TensorRun(tensor=1, zero_stage=3),
+        TensorRun(tensor=1, sequence=2, data=2, zero_stage=3),
+        id="stage3-dp1-to-sp2xdp2",
     ),
 ]
 

@@ -85,7 +85,8 @@ def _refusals() -> dict[str, str]:
 
 def test_what_cannot_run_under_ulysses_is_refused_by_name():
     found = run_distributed(_refusals, 2, timeout=120)[0]
-    assert "_sp_plan" in found["no plan"] and "_Unplanned" in found["no plan"], found["no plan"]
+    assert "_sp_plan" in found["no plan"], found["no plan"]
+    assert "_Unplanned" in found["no plan"], found["no plan"]
     assert "PipelineModule" in found["pipeline"], found["pipeline"]
     assert "sequence axis of 1" in found["topology"], found["topology"]
     assert "padding" in found["padding"], found["padding"]
