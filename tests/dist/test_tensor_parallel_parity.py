@@ -15,9 +15,11 @@ from tests.helpers.pipeline import mismatches
 from tests.helpers.pipeline import train_reference as pipeline_reference
 from tests.helpers.tensor import (
     TensorRun,
+    make_engine,
     pipeline_tensor_engine,
     train_pipeline_tensor,
     train_reference,
+    train_steps,
     train_tensor_parallel,
     whole_params,
 )
@@ -88,3 +90,28 @@ def test_pipe_by_data_by_tensor_matches_one_process():
     for rank, result in enumerate(run_distributed(_three_d, 8, steps, timeout=400)):
         problems = mismatches(result, reference, TOL)
         assert not problems, f"rank {rank}: " + "; ".join(problems[:6])
+
+
+def _partitioned(run: TensorRun) -> dict:
+    engine, model = make_engine(run)
+    losses = train_steps(engine, run, 0, run.steps)
+    stats = engine.activation_checkpointing.stats
+    return {
+        "losses": losses,
+        "params": whole_params(engine, model),
+        "bytes": (stats.kept_bytes, stats.partitioned_bytes, stats.recomputes),
+    }
+
+
+def test_partitioned_activation_checkpoints_match_one_process():
+    """``partition_activations``: each tensor rank keeps half of every checkpointed block's
+    input (dropout on: the recomputation replays both streams); the group all-gathers it
+    for the recomputation, and training equals one process's."""
+    run = TensorRun(tensor=2, partition_activations=True, dropout=0.1)
+    reference = train_reference(run)
+    for rank, result in enumerate(run_distributed(_partitioned, 2, run, timeout=300)):
+        problems = mismatches(result, reference, TOL)
+        assert not problems, f"rank {rank}: " + "; ".join(problems[:6])
+        kept, partitioned, recomputes = result["bytes"]
+        assert recomputes > 0, result["bytes"]
+        assert kept == partitioned > 0, result["bytes"]  # half kept, half left to the other

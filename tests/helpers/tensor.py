@@ -46,6 +46,8 @@ class TensorRun:
     dropout: float = 0.0
     steps: int = TP_SPEC.steps
     plan_from: str = "model"  # "model": GPT._tp_plan; "preset": tensor_parallel.preset_model
+    # activation_checkpointing of every Block; its inputs split over the tensor group
+    partition_activations: bool = False
 
     @property
     def world(self) -> int:
@@ -82,6 +84,16 @@ class TensorRun:
             **({"tensor_parallel": tensor_parallel} if self.tensor > 1 else {}),
             "sequence_parallel_size": self.sequence,
             "steps_per_print": 1000,
+            **(
+                {
+                    "activation_checkpointing": {
+                        "partition_activations": True,
+                        "block_types": ["Block"],
+                    }
+                }
+                if self.partition_activations
+                else {}
+            ),
         }
 
 

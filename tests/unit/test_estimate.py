@@ -217,6 +217,11 @@ def model_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
         def build():
             return GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=32))
 
+        def layers():
+            from zerotrain.examples.gpt import gpt_pipeline_layers
+
+            return gpt_pipeline_layers(GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=32))
+
         def not_a_model():
             return 3
 
@@ -255,11 +260,35 @@ def test_cli_model_factory_on_meta(model_file: str, capsys: pytest.CaptureFixtur
     assert "shapes assumed" not in out
 
 
+def test_cli_3d_layout_estimates_the_ranks_piece(
+    model_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 5 of pipe 2 x data 1 x sequence 2 x tensor 2: stage 1's blocks, half of each
+    split layer, sharded over its 2 sequence ranks (exactness: test_estimate_vs_breakdown)."""
+    common = ["estimate", "--model", f"{model_file}:layers", "--stage", "2", "--device", "cpu"]
+    layout = ["--world-size", "8", "--pp", "2", "--tp", "2", "--sp", "2", "--tp-preset", "gpt"]
+    assert main([*common, *layout, "--rank", "5", "--memory", "1GiB"]) == 0
+    piece = capsys.readouterr().out
+    assert main([*common, "--world-size", "1", "--memory", "1GiB"]) == 0  # one stage: fine
+    capsys.readouterr()
+    assert "world size 2" in piece, piece  # the ZeRO group: data x sequence
+    whole = int(piece.split("zerotrain estimate: ")[1].split(" parameters")[0].replace(",", ""))
+    assert 0 < whole < 70_000, piece  # the whole model has ~140k
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--params", "1B", "--world-size", "2", "--stage", "5"], "stage must be 0, 1, 2 or 3"),
-        (["--params", "1B", "--world-size", "0", "--stage", "1"], "world_size must be >= 1"),
+        (["--params", "1B", "--world-size", "0", "--stage", "1"], "world size 0"),
+        (
+            ["--params", "1B", "--world-size", "6", "--stage", "1", "--tp", "4"],
+            "not divisible by pipe 1 x tensor 4",
+        ),
+        (
+            ["--model", "{mod}:build", "--world-size", "4", "--stage", "1", "--pp", "2"],
+            "returning the pipeline layer list",
+        ),
         (
             ["--params", "1B", "--world-size", "2", "--stage", "1", "--dtype", "int8"],
             "--dtype must be one of fp32, bf16, fp16",
@@ -269,7 +298,7 @@ def test_cli_model_factory_on_meta(model_file: str, capsys: pytest.CaptureFixtur
         (["--model", "no_such_module_xyz:f", "--world-size", "2", "--stage", "1"], "cannot import"),
         (["--model", "{mod}:missing", "--world-size", "2", "--stage", "1"], "has no attribute"),
         (["--model", "{mod}:NOT_CALLABLE", "--world-size", "2", "--stage", "1"], "is not callable"),
-        (["--model", "{mod}:not_a_model", "--world-size", "2", "--stage", "1"], "not nn.Module"),
+        (["--model", "{mod}:not_a_model", "--world-size", "2", "--stage", "1"], "not an nn.Module"),
         (
             ["--params", "1B", "--world-size", "2", "--stage", "1", "--offload-param", "cpu"],
             "offload_param needs ZeRO stage 3",

@@ -6,6 +6,13 @@ inputs) decide where they live: where they are (default), in host memory while t
 is an accelerator (``cpu_checkpointing``), and/or in one contiguous buffer reused every step
 (``contiguous_memory_optimization``), which keeps long-lived inputs from fragmenting the
 device allocator between the short-lived activations around them.
+
+``partition_activations``: under tensor parallelism the inputs of a checkpointed block are
+the same on every rank of the tensor group, so each rank keeps only its 1/t of each (a
+slice of the flattened tensor, padded to a multiple of t) and the group all-gathers the
+whole when the recomputation needs it: (t-1)/t of the kept bytes saved, for one all-gather
+per input in backward (DeepSpeed's ``partition_activations`` with a model-parallel group).
+The slice itself is then kept by the other settings (host memory, the buffer).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from torch import nn
 
 from zerotrain.checkpointing.stats import CheckpointStats
+from zerotrain.comm.collectives import Communicator
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.torch_compat import storage_use_count
 
@@ -114,6 +122,16 @@ class _OnHost:
     ready: Any  # torch.cuda.Event (accelerators only)
 
 
+@dataclass
+class _Partitioned:
+    """This rank's slice of an input that every rank of ``group`` holds alike."""
+
+    kept: Any  # the slice, as the other settings keep it
+    shape: torch.Size
+    numel: int
+    group: Communicator
+
+
 class InputKeeper:
     """The pack/unpack pair for checkpoint inputs under one setting.
 
@@ -124,6 +142,7 @@ class InputKeeper:
         number_checkpoints: checkpoints per step, to size each buffer from its first input
             (None: the first step's needs size it).
         stats: counters to feed.
+        partition: the tensor group to split inputs over (None: keep them whole).
     """
 
     def __init__(
@@ -132,19 +151,38 @@ class InputKeeper:
         contiguous: bool,
         number_checkpoints: int | None,
         stats: CheckpointStats,
+        partition: Communicator | None = None,
     ) -> None:
         self.to_host = to_host
         self.contiguous = contiguous
+        self.partition = partition
         self.number_checkpoints = number_checkpoints
         self.stats = stats
         self._arenas: dict[tuple[torch.device, bool], ContiguousArena] = {}
         self._streams: dict[torch.device, Any] = {}
 
     def pack(self, tensor: torch.Tensor) -> Any:
+        if isinstance(tensor, nn.Parameter):
+            self.stats.kept_bytes += tensor.numel() * tensor.element_size()
+            return tensor  # alive anyway: a copy would only add memory
+        group = self.partition
+        if group is not None and tensor.is_floating_point() and tensor.numel() >= group.world_size:
+            return self._partition(tensor, group)
+        return self._keep(tensor)
+
+    def _partition(self, tensor: torch.Tensor, group: Communicator) -> _Partitioned:
+        per_rank = -(-tensor.numel() // group.world_size)
+        flat = tensor.detach().reshape(-1)
+        start = min(group.rank * per_rank, flat.numel())
+        mine = torch.zeros(per_rank, dtype=tensor.dtype, device=tensor.device)
+        piece = flat[start : start + per_rank]
+        mine[: piece.numel()].copy_(piece)
+        self.stats.partitioned_bytes += (tensor.numel() - per_rank) * tensor.element_size()
+        return _Partitioned(self._keep(mine), tensor.shape, tensor.numel(), group)
+
+    def _keep(self, tensor: torch.Tensor) -> Any:
         nbytes = tensor.numel() * tensor.element_size()
         self.stats.kept_bytes += nbytes
-        if isinstance(tensor, nn.Parameter):
-            return tensor  # alive anyway: a copy would only add memory
         if self.to_host and tensor.device.type != "cpu":
             self.stats.offloaded_bytes += nbytes
             return self._to_host(tensor)
@@ -154,6 +192,13 @@ class InputKeeper:
         return tensor
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Partitioned):
+            mine = self.unpack(packed.kept)
+            whole = torch.empty(
+                (packed.group.world_size, mine.numel()), dtype=mine.dtype, device=mine.device
+            )
+            packed.group.all_gather_into(whole, mine, purpose="activations")
+            return whole.reshape(-1)[: packed.numel].view(packed.shape)
         if not isinstance(packed, _OnHost):
             return packed
         torch.cuda.current_stream(packed.device).wait_event(packed.ready)

@@ -19,6 +19,7 @@ from typing import Any
 
 from zerotrain.checkpointing.saved_inputs import InputKeeper
 from zerotrain.checkpointing.stats import CheckpointStats
+from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import ActivationCheckpointingPolicy
 
 # configure()'s keyword arguments are the config keys; these are their policy fields.
@@ -37,10 +38,17 @@ class CheckpointingContext:
 
     Args:
         policy: the settings (default: inputs kept as they are, nothing timed).
+        partition_group: the tensor group ``partition_activations`` splits inputs over.
     """
 
-    def __init__(self, policy: ActivationCheckpointingPolicy | None = None) -> None:
+    def __init__(
+        self,
+        policy: ActivationCheckpointingPolicy | None = None,
+        partition_group: Communicator | None = None,
+    ) -> None:
         self.policy = policy or ActivationCheckpointingPolicy()
+        # The tensor group that partition_activations splits inputs over (None: none).
+        self.partition_group = partition_group
         self.stats = CheckpointStats()
         self.depth = 0  # checkpointed regions whose forward is running now
         self._keeper: InputKeeper | None = None  # built for the current policy
@@ -59,6 +67,7 @@ class CheckpointingContext:
                 policy.contiguous_memory,
                 policy.number_checkpoints,
                 self.stats,
+                self.partition_group if policy.partition_activations else None,
             )
         self._keeper.stats = self.stats  # reset_stats() replaces the counters
         return self._keeper

@@ -10,7 +10,8 @@ class CheckpointStats:
     """What checkpointed regions did since the last ``reset_stats``.
 
     ``calls`` and ``kept_bytes`` (the inputs the regions kept for their recomputation;
-    ``offloaded_bytes`` of them in host memory) are always counted; the times only with
+    ``offloaded_bytes`` of them in host memory; ``partitioned_bytes`` not kept on this rank
+    because the tensor group holds them) are always counted; the times only with
     ``profile`` on, because timing an accelerator needs a synchronization.
     """
 
@@ -18,6 +19,7 @@ class CheckpointStats:
     recomputes: int = 0
     kept_bytes: int = 0
     offloaded_bytes: int = 0
+    partitioned_bytes: int = 0
     forward_seconds: float = 0.0
     recompute_seconds: float = 0.0
 
@@ -28,5 +30,6 @@ class CheckpointStats:
             f"activation checkpointing: {self.calls} forward(s) {self.forward_seconds:.3f} s, "
             f"{self.recomputes} recomputation(s) {self.recompute_seconds:.3f} s, "
             f"inputs kept {self.kept_bytes / mib:.1f} MiB "
-            f"({self.offloaded_bytes / mib:.1f} MiB in host memory)"
+            f"({self.offloaded_bytes / mib:.1f} MiB in host memory, "
+            f"{self.partitioned_bytes / mib:.1f} MiB left to the tensor group)"
         )

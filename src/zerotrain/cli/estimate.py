@@ -4,6 +4,13 @@ that fits a memory budget, without running anything.
     zerotrain estimate --params 7B --world-size 8 --stage 3 --dtype bf16 --memory 80GiB
     zerotrain estimate --model mypkg.models:build --world-size 2 --stage 2 \
         --micro-batch 8 --seq-len 1024
+    zerotrain estimate --model mypkg.models:layers --world-size 16 --pp 2 --tp 2 --sp 2 \
+        --tp-preset llama --stage 1 --rank 5
+
+With ``--tp/--pp/--sp`` the world size is the whole job and data parallelism takes the
+rest; ``--rank`` is a rank of the job. With ``--model`` the rank's own piece is built on
+the meta device (its pipeline stage, its tensor slices) and estimated exactly; with
+``--params`` the count is divided by ``tp x pp`` (approximate).
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ from zerotrain.estimate import (
     parse_count,
 )
 from zerotrain.estimate.core import DTYPE_BYTES, OFFLOAD_TARGETS
+from zerotrain.estimate.layout import rank_piece
 from zerotrain.estimate.model_states import OPTIMIZER_STATES
 from zerotrain.estimate.shapes import transformer_shape_of
+from zerotrain.parallel.pipeline.specs import LayerSpec
+from zerotrain.parallel.topology import ZERO_AXES, Topology
 from zerotrain.utils.memory import format_bytes
 
 
@@ -39,7 +49,19 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         help="module:factory, a callable returning the nn.Module (built on the meta device, "
         "so its exact shapes cost no memory)",
     )
-    parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    parser.add_argument(
+        "--world-size", type=int, required=True, help="ranks of the job (all axes together)"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (--model must return the layer list)"
+    )
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
+    parser.add_argument(
+        "--tp-preset",
+        default=None,
+        help="AutoTP preset_model for the tensor split (default: the model's _tp_plan)",
+    )
     parser.add_argument("--stage", type=int, required=True, help="ZeRO stage 0-3")
     parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
     parser.add_argument("--grad-accum-dtype", default=None, help="fp32 or the compute dtype")
@@ -66,8 +88,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_factory_model(spec: str) -> nn.Module:
-    """Import ``module:factory`` and build its model on the meta device.
+def load_factory_model(spec: str) -> nn.Module | list[LayerSpec]:
+    """Import ``module:factory`` and build its model (or pipeline layer list) on the meta
+    device.
 
     Raises:
         ValueError: ``spec`` is not ``module:factory``, or the module or callable is missing.
@@ -91,9 +114,12 @@ def load_factory_model(spec: str) -> nn.Module:
         raise TypeError(f"--model {spec!r}: {attr!r} is not callable")
     with torch.device("meta"):
         built = factory()
+    if isinstance(built, list) and built and all(isinstance(x, LayerSpec) for x in built):
+        return built
     if not isinstance(built, nn.Module):
         raise TypeError(
-            f"--model {spec!r}: {attr}() returned {type(built).__name__}, not nn.Module"
+            f"--model {spec!r}: {attr}() returned {type(built).__name__}, not an nn.Module "
+            "or a list of pipeline LayerSpecs"
         )
     return built
 
@@ -153,10 +179,30 @@ def run_estimate(args: argparse.Namespace) -> int:
                     f"--{flag.replace('_', '-')} must be one of {', '.join(OFFLOAD_TARGETS)}, "
                     f"got {getattr(args, flag)!r}"
                 )
+        topology = Topology.from_world(
+            args.world_size, pipe=args.pp, tensor=args.tp, sequence=args.sp
+        )
+        built = load_factory_model(args.model) if args.model else parse_count(args.params)
         model: nn.Module | int
-        model = load_factory_model(args.model) if args.model else parse_count(args.params)
+        isolate: tuple[str, ...] = ()
+        if isinstance(built, int):
+            model = built // (args.tp * args.pp)
+            zero_rank = topology.group_ranks(ZERO_AXES, args.rank).index(args.rank)
+            if model != built:
+                print(f"parameters per rank taken as {built:,} / (tp x pp) = {model:,}")
+        else:
+            piece = rank_piece(built, topology, args.rank, args.tp_preset)
+            model, zero_rank, isolate = piece.model, piece.zero_rank, piece.isolate
+        options["world_size"] = topology.size(ZERO_AXES)  # ZeRO shards over data x sequence
         estimate = estimate_memory(
-            model, transformer=transformer, layers=args.layers, rank=args.rank, **options
+            model,
+            transformer=transformer,
+            layers=args.layers,
+            rank=zero_rank,
+            tensor_parallel=args.tp,
+            sequence_parallel=args.sp,
+            isolate=isolate,
+            **options,
         )
         budget = (parse_bytes(args.memory), "--memory") if args.memory else None
         budget = budget or machine_memory(args.device, args.world_size)
@@ -166,7 +212,10 @@ def run_estimate(args: argparse.Namespace) -> int:
             return 0
         memory, source = budget
         fit_options = {**options, "transformer": transformer or _fit_shape(model)}
-        fits = largest_model_that_fits(memory, layers=args.layers, **fit_options)
+        # Each rank holds about 1 / (tp x pp) of the model.
+        fits = (
+            largest_model_that_fits(memory, layers=args.layers, **fit_options) * args.tp * args.pp
+        )
         verdict = "fits" if estimate.total <= memory else "does NOT fit"
         print(
             f"this configuration {verdict} in {format_bytes(memory)} per rank ({source}); "

@@ -139,11 +139,6 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         section = getattr(cfg, name)
         if section is not None and _loose_enabled(name, section):
             found.append(f"{name}: {name.replace('_', ' ')}")
-    if cfg.activation_checkpointing.partition_activations and tensor_parallel_size(cfg) > 1:
-        found.append(
-            "activation_checkpointing.partition_activations=true with tensor parallelism: "
-            "splitting checkpointed activations across the tensor group"
-        )
     return found
 
 

@@ -37,7 +37,6 @@ from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.engine.pipeline_engine import PipelineEngine
 from zerotrain.engine.pipeline_setup import (
     check_tied_units,
-    isolated_prefixes,
     pipeline_topology,
     prepare_pipeline,
     tied_groups,
@@ -200,6 +199,22 @@ def _tensor_parallel_plan(
     return tensor_plan(cfg, model)
 
 
+def _partition_group(cfg: ZeroTrainConfig, groups: ProcessGroups) -> Communicator | None:
+    """The group ``activation_checkpointing.partition_activations`` splits checkpointed
+    inputs over: the tensor group, whose ranks hold the same block inputs; none with
+    Megatron sequence parallelism, where each holds its own slice already."""
+    if not cfg.activation_checkpointing.partition_activations or groups.tensor.world_size == 1:
+        return None
+    if cfg.tensor_parallel is not None and cfg.tensor_parallel.sequence_parallel:
+        log.info(
+            "config: activation_checkpointing.partition_activations has no effect with "
+            "tensor_parallel.sequence_parallel: each tensor rank keeps only its slice of the "
+            "sequence already"
+        )
+        return None
+    return groups.tensor
+
+
 def _check_not_wrapped(model: nn.Module) -> None:
     """A parameter that is a view of a larger tensor is already inside an engine's buffer."""
     for name, param in model.named_parameters():
@@ -212,15 +227,19 @@ def _check_not_wrapped(model: nn.Module) -> None:
 
 
 def _setup_activation_checkpointing(
-    model: nn.Module, policy: ActivationCheckpointingPolicy | None, device: torch.device
+    model: nn.Module,
+    policy: ActivationCheckpointingPolicy | None,
+    device: torch.device,
+    partition_group: Communicator | None,
 ) -> tuple[checkpointing.CheckpointingContext, bool]:
     """Apply the config's ``activation_checkpointing``; returns the engine's checkpointing
-    context and whether blocks were wrapped."""
+    context and whether blocks were wrapped. ``partition_group``: the tensor group whose
+    ranks hold the same block inputs (None: there is none)."""
     if policy is None:
         # The section is absent: share the process default (what checkpointing.configure()
         # sets by hand).
         return checkpointing.default_context(), False
-    context = checkpointing.CheckpointingContext(policy)
+    context = checkpointing.CheckpointingContext(policy, partition_group)
     if policy.cpu_checkpointing and device.type == "cpu":
         log.info(
             "config: activation_checkpointing.cpu_checkpointing has no effect: the device is "
@@ -344,7 +363,7 @@ def initialize(
     if groups.sequence.world_size > 1:
         log.info("Ulysses: attention routed through %s", route_attention(model, groups.sequence))
     checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
-        model, policies.activation_checkpointing, env.device
+        model, policies.activation_checkpointing, env.device, _partition_group(cfg, groups)
     )
     # Copies of a tied module on several stages start from the lowest stage's values.
     ties = tied_groups(world, pipe_module) if pipe_module is not None else []
@@ -383,7 +402,7 @@ def initialize(
             offload,
             # Pipeline stages hold different parameters, tensor ranks different slices.
             distinct_axes=[groups.pipe, *([groups.tensor] if tensor_whole is not None else [])],
-            isolate=isolated_prefixes(pipe_module) if pipe_module is not None else (),
+            isolate=pipe_module.tied_prefixes() if pipe_module is not None else (),
         )
         if tensor_whole is not None and groups.tensor.rank != 0:
             # Whole on every tensor rank, with the same gradients: the first rank counts them.

@@ -16,7 +16,6 @@ from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.parallel.pipeline.builders import build_schedule
 from zerotrain.parallel.pipeline.schedule import ActionType, PipelineSchedule
 from zerotrain.parallel.pipeline.ties import (
-    TIED_PREFIX,
     TiedGroup,
     broadcast_initial,
     build_tied_groups,
@@ -214,8 +213,3 @@ def tied_groups(world: Communicator, module: PipelineModule) -> list[TiedGroup]:
     }
     broadcast_initial(groups, params)
     return groups
-
-
-def isolated_prefixes(module: PipelineModule) -> list[str]:
-    """Name prefixes of the tied modules this stage holds (each gets a unit of its own)."""
-    return sorted(f"{TIED_PREFIX}{key}." for key in module.tied_keys_of_stage(module.stage_id))

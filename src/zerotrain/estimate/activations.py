@@ -25,6 +25,13 @@ input and output (``2h``) and cross-entropy's log-softmax output (``V`` per toke
 The peak comes at the start of backward, when everything above is still saved and the
 loss's gradient with respect to the logits (``V``) and the first block's MLP gradients
 (``2f``) are live at once.
+
+Tensor parallelism of degree t (Megatron's split, no sequence parallelism) keeps the inputs
+of the norms and of the column layers whole (``4h``) and cuts the rest: attention's
+``4h``, the MLP's ``2f``, the heads' statistics and the vocabulary (``V``, the
+vocabulary-parallel cross-entropy) to 1/t. Ulysses of degree P gives each rank 1/P of the
+tokens (attention's q, k, v after the exchange hold the whole sequence for 1/P of the
+heads: the same count).
 """
 
 from __future__ import annotations
@@ -53,10 +60,16 @@ class ActivationBytes:
 
 
 def gpt_activation_bytes(
-    shape: TransformerShape, micro_batch: int, seq_len: int, dtype_bytes: int
+    shape: TransformerShape,
+    micro_batch: int,
+    seq_len: int,
+    dtype_bytes: int,
+    tensor: int = 1,
+    sequence: int = 1,
 ) -> ActivationBytes:
     """Activation bytes of one micro-batch of ``micro_batch`` sequences of ``seq_len``
-    tokens, computed in a dtype of ``dtype_bytes`` bytes.
+    tokens, computed in a dtype of ``dtype_bytes`` bytes, on one rank of a tensor group of
+    ``tensor`` and a Ulysses group of ``sequence`` ranks (the first, which holds the most).
 
     Raises:
         ValueError: a non-positive batch or sequence length.
@@ -65,10 +78,11 @@ def gpt_activation_bytes(
         raise ValueError(
             f"micro batch and sequence length must be >= 1, got {micro_batch} and {seq_len}"
         )
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * -(-seq_len // sequence)  # the first ranks' slices are longer
     h, f, v = shape.hidden, shape.ffn_width, shape.vocab
-    per_layer = (8 * h + 2 * f) * dtype_bytes + (2 * 2 + shape.heads) * 4
-    head = 2 * h * dtype_bytes + 2 * 4 + v * dtype_bytes
+    split = (4 * h + 2 * f) // tensor
+    per_layer = (4 * h + split) * dtype_bytes + (2 * 2 + -(-shape.heads // tensor)) * 4
+    head = 2 * h * dtype_bytes + 2 * 4 + v // tensor * dtype_bytes
     saved = tokens * (shape.layers * per_layer + head)
-    transient = tokens * (v + 2 * f) * dtype_bytes
+    transient = tokens * (v // tensor + 2 * f // tensor) * dtype_bytes
     return ActivationBytes(saved=saved, transient=transient)

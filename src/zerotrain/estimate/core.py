@@ -13,6 +13,7 @@ are before each region's 4 KiB alignment, and the step's chunk buffers are not i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -250,8 +251,14 @@ def estimate_memory(
     unit_classes: tuple[str, ...] | None = None,
     baseline_bytes: int = 0,
     max_in_cpu: int = 1_000_000_000,
+    tensor_parallel: int = 1,
+    sequence_parallel: int = 1,
+    isolate: Sequence[str] = (),
 ) -> MemoryEstimate:
     """Predict one rank's memory for training ``model`` with ZeRO.
+
+    For a rank of a 3D job pass its piece of the model (``estimate.layout.rank_piece``)
+    with ``world_size`` its ZeRO (data x sequence) group.
 
     Args:
         model: a module (its exact parameter shapes; build it on the meta device to pay
@@ -273,6 +280,10 @@ def estimate_memory(
             unit_classes: the ``zero_optimization`` keys of the same names.
         baseline_bytes: host memory of the process before any model state (for RSS).
         max_in_cpu: ``offload_param.max_in_cpu``.
+        tensor_parallel / sequence_parallel: the degrees, for activations (the model
+            states come from the piece itself).
+        isolate: name prefixes of parameters in a stage 0-2 unit of their own (a pipeline
+            stage's tied modules: ``PipelineModule.tied_prefixes()``).
 
     Returns:
         The per-category bytes of rank ``rank``.
@@ -299,7 +310,7 @@ def estimate_memory(
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     shape: ModelShape
     if isinstance(model, nn.Module):
-        shape = shape_of_module(model, unit_classes, transformer)
+        shape = shape_of_module(model, unit_classes, transformer, isolate)
     elif isinstance(model, int) and not isinstance(model, bool):
         shape = shape_of_count(model, layers or (transformer.layers if transformer else None))
         shape = dataclasses.replace(shape, transformer=transformer)
@@ -336,7 +347,12 @@ def estimate_memory(
             )
         else:
             activations = gpt_activation_bytes(
-                shape.transformer, micro_batch, seq_len, DTYPE_BYTES[dtype]
+                shape.transformer,
+                micro_batch,
+                seq_len,
+                DTYPE_BYTES[dtype],
+                tensor=tensor_parallel,
+                sequence=sequence_parallel,
             )
     if not shape.exact:
         notes.append(

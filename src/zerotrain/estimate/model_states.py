@@ -107,7 +107,7 @@ def _padded(numel: int, setup: ZeroSetup) -> int:
 def _plan_buckets(shape: ModelShape, setup: ZeroSetup) -> list[UnitShape]:
     """Stage 0-2 units as ``zero.units.build_units`` packs them (one dtype assumed)."""
     sizes = list(reversed(shape.trainable))  # gradients arrive last layer first
-    total = sum(sizes)
+    total = sum(sizes) + sum(shape.isolated)
     zero = ZeroPolicy.for_stage(setup.stage)
     bucket = setup.bucket_numel
     if bucket is None:
@@ -117,7 +117,7 @@ def _plan_buckets(shape: ModelShape, setup: ZeroSetup) -> list[UnitShape]:
     for members in plan_buckets(sizes, unit_numel):
         n = sum(sizes[i] for i in members)
         units.append(UnitShape(n, n))
-    return units
+    return units + [UnitShape(n, n) for n in shape.isolated]
 
 
 def _unit_bytes(unit: UnitShape, setup: ZeroSetup) -> tuple[int, int, int, int, int]:
@@ -172,20 +172,22 @@ def _gathered(units: list[UnitShape], root: UnitShape | None, setup: ZeroSetup) 
     return min(always + window, sum(full)) * setup.param_bytes
 
 
-def _staging(units: list[UnitShape], has_root: bool, setup: ZeroSetup) -> int:
+def _staging(units: list[UnitShape], has_root: bool, setup: ZeroSetup, held: int = 0) -> int:
     """Gradient staging buffers (stages 2-3), sized by the largest unit.
 
     A second buffer is allocated when one reduction is in flight while the next unit fills
     (``overlap_comm``), and at stage 3 whenever there is a root unit: its early gradients
     (final norm, head) stay staged through the whole backward pass while the blocks' come
-    and go.
+    and go. ``held`` units (a pipeline stage's tied modules, summed across stages only after
+    the step's last backward) each keep a buffer of their own through the step.
     """
     if setup.stage < 2 or not units:
         return 0
     largest = max(_padded(u.numel, setup) for u in units)
+    flowing = len(units) - held
     second = setup.overlaps or (setup.stage == 3 and has_root)
-    count = 2 if second and len(units) > 1 else 1
-    return count * largest * setup.comm_bytes
+    count = (2 if second and flowing > 1 else 1) if flowing else 0
+    return (count + held) * largest * setup.comm_bytes
 
 
 def model_state_bytes(shape: ModelShape, setup: ZeroSetup) -> StateBytes:
@@ -228,7 +230,12 @@ def model_state_bytes(shape: ModelShape, setup: ZeroSetup) -> StateBytes:
         optimizer_states=stepped * per_element * state_bytes + pieces * per_piece,
         buffers=buffers,
         gathered=_gathered(units, root, setup) if setup.stage >= 3 else 0,
-        staging=_staging(units, setup.stage >= 3 and root is not None, setup),
+        staging=_staging(
+            units,
+            setup.stage >= 3 and root is not None,
+            setup,
+            held=len(shape.isolated) if setup.stage < 3 else 0,
+        ),
         units=len(units),
         padding_elements=sum(_padded(u.numel, setup) - u.numel for u in units),
         stepped_elements=stepped,

@@ -8,6 +8,7 @@ taken as ``layers`` equal blocks and padding is negligible).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,8 @@ class ModelShape:
         root: the stage-3 root unit (embeddings, final norm, head), None if empty.
         exact: built from real parameter shapes (else from a count).
         transformer: the shape activations are computed from, when known.
+        isolated: stages 0-2: elements of each unit of its own (a pipeline stage's tied
+            modules), not in ``trainable``.
     """
 
     trainable: tuple[int, ...]
@@ -73,11 +76,12 @@ class ModelShape:
     root: UnitShape | None
     exact: bool
     transformer: TransformerShape | None = None
+    isolated: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
         """Every parameter element (shared parameters counted once)."""
-        return sum(self.trainable) + self.frozen_numel
+        return sum(self.trainable) + sum(self.isolated) + self.frozen_numel
 
     @property
     def stage3_units(self) -> tuple[UnitShape, ...]:
@@ -89,6 +93,7 @@ def shape_of_module(
     module: nn.Module,
     unit_classes: tuple[str, ...] | None = None,
     transformer: TransformerShape | None = None,
+    isolate: Sequence[str] = (),
 ) -> ModelShape:
     """Read ``module``'s parameter shapes (meta tensors are fine: nothing is read).
 
@@ -96,6 +101,8 @@ def shape_of_module(
         module: the model, as it would be passed to ``zerotrain.initialize``.
         unit_classes: ``zero_optimization.stage3_unit_classes`` (None: repeated blocks).
         transformer: the activation shape (None: inspected from a ``cfg``/``config``).
+        isolate: name prefixes whose parameters form a stage 0-2 unit each (the engine's
+            ``isolate``: a pipeline stage's tied modules).
 
     Raises:
         ValueError: the model has no parameters, or ``unit_classes`` matches nothing.
@@ -103,7 +110,15 @@ def shape_of_module(
     params = list(module.named_parameters())
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters to estimate")
-    trainable = tuple(p.numel() for _, p in params if p.requires_grad)
+
+    def prefix_of(name: str) -> str | None:
+        return next((p for p in isolate if name.startswith(p)), None)
+
+    trainable = tuple(p.numel() for n, p in params if p.requires_grad and prefix_of(n) is None)
+    isolated = tuple(
+        sum(p.numel() for n, p in params if p.requires_grad and prefix_of(n) == prefix)
+        for prefix in sorted(isolate)
+    )
     frozen = sum(p.numel() for _, p in params if not p.requires_grad)
     buffers = tuple((b.numel(), b.element_size(), b.is_floating_point()) for b in module.buffers())
     blocks, root = plan_module_units(module, unit_classes)
@@ -120,6 +135,7 @@ def shape_of_module(
         root=unit(root.params, root.label) if root is not None else None,
         exact=True,
         transformer=transformer or transformer_shape_of(module),
+        isolated=tuple(n for n in isolated if n),
     )
 
 

@@ -30,6 +30,7 @@ from zerotrain.parallel.pipeline.partition import (
 )
 from zerotrain.parallel.pipeline.placement import resolve_placement
 from zerotrain.parallel.pipeline.specs import ForwardFn, LayerSpec, TiedLayerSpec
+from zerotrain.parallel.pipeline.ties import TIED_PREFIX
 from zerotrain.parallel.topology import Topology
 
 
@@ -325,6 +326,11 @@ class PipelineModule(nn.Module):
             for idx in self.chunk_layers(chunk)
             if (key := self._entries[idx].tied_key) is not None
         }
+
+    def tied_prefixes(self) -> list[str]:
+        """Name prefixes of the tied modules this stage holds: ZeRO stages 0-2 give each a
+        unit of its own, so that the copies on different stages line up slice by slice."""
+        return sorted(f"{TIED_PREFIX}{key}." for key in self.tied_keys_of_stage(self.stage_id))
 
     def tied_weight_params(self, key: str) -> list[nn.Parameter]:
         """The parameters named by ``tied_weight_attr`` on this rank's module for ``key``.
