@@ -199,15 +199,15 @@ class GPT(nn.Module):
             if targets is None:
                 return gather_along(logits, head.comm, -1)
             losses = vocab_parallel_cross_entropy(logits, targets, head.comm)
-        elif targets is None:
-            return logits
-        else:
-            losses = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+            return (
+                losses.mean() if num_items_in_batch is None else losses.sum() / num_items_in_batch
             )
+        if targets is None:
+            return logits
+        flat_logits, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
         if num_items_in_batch is None:
-            return losses.mean()
-        return losses.sum() / num_items_in_batch
+            return F.cross_entropy(flat_logits, flat_targets)
+        return F.cross_entropy(flat_logits, flat_targets, reduction="sum") / num_items_in_batch
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied weight counted once)."""
