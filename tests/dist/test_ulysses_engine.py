@@ -1,23 +1,40 @@
 """Ulysses sequence parallelism through the engine trains exactly like one process.
 
-The demo GPT (its attention cores named by ``GPT._sp_plan``) trains 20 steps with AdamW,
+The demo GPT (its attention cores named by ``Block._sp_plan``) trains 20 steps with AdamW,
 clipping active and a loss spike; every rank of a sequence group feeds its slice of the same
 samples (``engine.shard_sequence``). Losses and every parameter must match single-process
 training of the same global batch within 1e-5: at degree 2 and 4, with data parallelism and
-ZeRO-3 around it, with tensor parallelism inside it, and at degree 3, where neither the 16
-positions nor the 4 heads divide (slices of 6, 5, 5 positions, heads 2, 1, 1).
+ZeRO-3 around it, with tensor parallelism inside it, at degree 3, where neither the 16
+positions nor the 4 heads divide (slices of 6, 5, 5 positions, heads 2, 1, 1), and inside
+a 2-stage pipeline (ZeRO-1 and 3), each sequence rank's pipeline carrying its slices.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import zerotrain
-from tests.helpers.pipeline import mismatches
-from tests.helpers.tensor import TP_GPT, TensorRun, train_reference, train_tensor_parallel
-from zerotrain.examples.gpt import GPT, gpt_loss_fn, gpt_pipeline_layers
+from tests.helpers.pipeline import (
+    MICRO_BATCHES,
+    PIPE_GPT,
+    PipeRun,
+    micro_batches,
+    mismatches,
+    stage_params,
+)
+from tests.helpers.pipeline import train_reference as pipeline_reference
+from tests.helpers.tensor import (
+    TP_GPT,
+    TensorRun,
+    make_engine,
+    train_reference,
+    train_tensor_parallel,
+)
+from zerotrain.examples.gpt import GPT, gpt_loss_fn, gpt_pipeline_layers, gpt_pipeline_micro_batch
 from zerotrain.parallel import Topology
+from zerotrain.parallel.tensor import tensor_parallel_rng
 from zerotrain.pipe import PipelineModule
 from zerotrain.testing.dist import run_distributed
 
@@ -58,7 +75,9 @@ def _refusals() -> dict[str, str]:
     attempts = {
         "no plan": lambda: zerotrain.initialize(model=_Unplanned(), config=config),
         "pipeline": lambda: zerotrain.initialize(
-            model=PipelineModule(gpt_pipeline_layers(TP_GPT), num_stages=1, loss_fn=gpt_loss_fn),
+            model=PipelineModule(
+                gpt_pipeline_layers(TP_GPT), topology=Topology(pipe=2), loss_fn=gpt_loss_fn
+            ),
             config=config,
         ),
         "topology": lambda: zerotrain.initialize(
@@ -87,6 +106,68 @@ def test_what_cannot_run_under_ulysses_is_refused_by_name():
     found = run_distributed(_refusals, 2, timeout=120)[0]
     assert "_sp_plan" in found["no plan"], found["no plan"]
     assert "_Unplanned" in found["no plan"], found["no plan"]
-    assert "PipelineModule" in found["pipeline"], found["pipeline"]
+    assert "sequence axis of 1" in found["pipeline"], found["pipeline"]
     assert "sequence axis of 1" in found["topology"], found["topology"]
     assert "padding" in found["padding"], found["padding"]
+
+
+PIPE_STEPS = 20
+
+
+def _pipeline_by_sequence(zero_stage: int) -> dict:
+    """PP=2 x SP=2: each sequence rank's pipeline carries its slice of every micro-batch."""
+    topology = Topology(pipe=2, sequence=2)
+    module = PipelineModule(
+        gpt_pipeline_layers(PIPE_GPT), topology=topology, loss_fn=gpt_loss_fn, seed_layers=True
+    )
+    config = PipeRun(stages=2, zero_stage=zero_stage).config(1)
+    config["sequence_parallel_size"] = 2
+    engine, _, _, _ = zerotrain.initialize(model=module, config=config, topology=topology)
+    losses = []
+    for step in range(PIPE_STEPS):
+        batches = [
+            gpt_pipeline_micro_batch(engine.shard_sequence({"idx": x, "targets": y}))
+            for x, y in micro_batches(engine, step, MICRO_BATCHES)
+        ]
+        losses.append(float(engine.train_batch(iter(batches))))
+    return {"losses": losses, "params": stage_params(engine)}
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_pipeline_by_ulysses_matches_one_process(zero_stage):
+    reference = pipeline_reference(steps=PIPE_STEPS)
+    results = run_distributed(_pipeline_by_sequence, 4, zero_stage, timeout=300)
+    for rank, result in enumerate(results):
+        problems = mismatches(result, reference, TOL)
+        assert not problems, f"rank {rank}: " + "; ".join(problems[:6])
+
+
+def _draws() -> dict:
+    """What the default stream and the tensor-parallel region stream draw after
+    ``initialize`` on SP=2 x TP=2 (every rank seeded alike before)."""
+    torch.manual_seed(0)
+    run = TensorRun(tensor=2, sequence=2, dropout=0.1)
+    engine, model = make_engine(run)
+    shared = torch.rand(3)
+    with tensor_parallel_rng(model.blocks[0].attn):
+        region = torch.rand(3)
+    return {
+        "coords": engine.topology.coordinates(dist.get_rank()),
+        "shared": shared,
+        "region": region,
+    }
+
+
+def test_sequence_ranks_draw_independent_dropout_masks():
+    """Each sequence rank's slice (and, in attention, its heads) gets its own masks; tensor
+    ranks at one sequence coordinate share the default stream, as tensor parallelism needs,
+    and each rank has its own region stream."""
+    draws = run_distributed(_draws, 4, timeout=120)
+    by_sequence: dict[int, list[torch.Tensor]] = {}
+    for d in draws:
+        by_sequence.setdefault(d["coords"].sequence, []).append(d["shared"])
+    for same in by_sequence.values():
+        assert all(torch.equal(same[0], other) for other in same), same
+    assert not torch.equal(by_sequence[0][0], by_sequence[1][0])
+    regions = [d["region"] for d in draws]
+    assert all(not torch.equal(a, b) for i, a in enumerate(regions) for b in regions[i + 1 :])

@@ -41,7 +41,7 @@ from zerotrain.engine.pipeline_setup import (
     prepare_pipeline,
     tied_groups,
 )
-from zerotrain.engine.sequence_setup import route_attention
+from zerotrain.engine.sequence_setup import distinct_random_streams, route_attention
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
 from zerotrain.engine.tensor_setup import split_model, tensor_plan
 from zerotrain.offload.manager import Offload
@@ -141,11 +141,11 @@ def _resolve_topology(
         grid = pipeline_topology(
             model, given, stages if isinstance(stages, int) else None, world_size
         )
-        if grid.sequence > 1 or cfg.sequence_parallel_size > 1:
-            raise NotImplementedError(
-                "Ulysses sequence parallelism (sequence_parallel_size or a topology sequence "
-                "axis > 1) inside a PipelineModule is not implemented yet; for long sequences "
-                "in a pipeline use tensor parallelism with tensor_parallel.sequence_parallel"
+        if cfg.sequence_parallel_size > 1 and grid.sequence != cfg.sequence_parallel_size:
+            raise ValueError(
+                f"the PipelineModule's grid {grid} has a sequence axis of {grid.sequence}, but "
+                f"the config's sequence_parallel_size is {cfg.sequence_parallel_size}; build "
+                "the module with a Topology(sequence=...) that matches"
             )
         return grid
     if pipeline_stages(cfg) > 1 or (given is not None and given.pipe > 1):
@@ -362,6 +362,7 @@ def initialize(
         tensor_whole = split_model(model, cfg, groups, *plan, env.device)
     if groups.sequence.world_size > 1:
         log.info("Ulysses: attention routed through %s", route_attention(model, groups.sequence))
+        distinct_random_streams(groups, env.device)
     checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
         model, policies.activation_checkpointing, env.device, _partition_group(cfg, groups)
     )

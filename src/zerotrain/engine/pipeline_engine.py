@@ -317,15 +317,16 @@ class PipelineEngine(Engine):
             )
 
     def _batch_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The last stage's mean loss, averaged over its data-parallel group, on every
-        rank of the pipeline."""
+        """The last stage's mean loss, averaged over its data-parallel group (times the
+        sequence group: under Ulysses each rank's loss is its slice's share), on every rank
+        of the pipeline."""
         value = torch.zeros((), dtype=torch.float32, device=self.groups.pipe.device)
         if losses:
             value = torch.stack([losses[m].float() for m in sorted(losses)]).mean()
-            data = self.groups.data
-            if data.world_size > 1:
-                data.all_reduce(value, purpose="control")
-                value /= data.world_size
+            replicas = self.groups.zero
+            if replicas.world_size > 1:
+                replicas.all_reduce(value, purpose="control")
+                value /= replicas.world_size
         if self.num_stages > 1:
             last = self.schedule.stage_to_rank(self.schedule.num_stages - 1)
             self.groups.pipe.broadcast(value, src=last, purpose="control")

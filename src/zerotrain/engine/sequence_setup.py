@@ -6,13 +6,24 @@ Where the routing comes from, first match wins: attention the user already built
 GPT's); a ``transformers`` model's attention registry. Anything else is refused: running
 attention on slices of a sequence without the exchange would train silently wrong (each
 slice attending only to itself). The batch side is ``Engine.shard_sequence``.
+
+Random streams: the ranks of a sequence group hold different positions (and, inside
+attention, different heads), so their dropout masks must be independent, where a job
+seeded alike on every rank would draw the same mask for each rank's slice.
+:func:`distinct_random_streams` reseeds sequence ranks above 0 from the job's seed plus an
+offset per sequence rank (tensor ranks at one sequence coordinate stay alike, as tensor
+parallelism needs), and :func:`sequence_seed_offset` offsets tensor parallelism's per-rank
+streams the same way.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
+from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.sequence import (
     DistributedAttention,
     apply_ulysses,
@@ -47,3 +58,22 @@ def route_attention(model: nn.Module, comm: Communicator) -> str:
         "({module-name glob: 'bhsd' | 'bshd' | 'sbhd'} naming its attention cores), or use "
         "a transformers model (its attention is wrapped automatically)"
     )
+
+
+# A prime well above any tensor degree: sequence rank r's streams start r of these away.
+_SEQUENCE_SEED_STRIDE = 1_000_003
+
+
+def sequence_seed_offset(groups: ProcessGroups) -> int:
+    """What this rank's sequence coordinate adds to the job's seed (0 on sequence rank 0,
+    so a job without Ulysses draws exactly as before)."""
+    return _SEQUENCE_SEED_STRIDE * groups.sequence.rank
+
+
+def distinct_random_streams(groups: ProcessGroups, device: torch.device) -> None:
+    """Reseed the default generators of sequence ranks above 0 from the job's seed (world
+    rank 0's) plus their offset; sequence rank 0 keeps its state."""
+    seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64, device=device)
+    broadcast_tensors(groups.world, [seed], 1, src=0)
+    if groups.sequence.rank > 0:
+        torch.manual_seed(int(seed.item()) + sequence_seed_offset(groups))

@@ -16,6 +16,7 @@ from torch import nn
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.config.optim_params import canonical_optimizer
 from zerotrain.config.schema import ZeroTrainConfig
+from zerotrain.engine.sequence_setup import sequence_seed_offset
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.tensor import (
     TensorParallelRNG,
@@ -110,7 +111,8 @@ def split_model(
     broadcast_tensors(groups.world, [seed], _BROADCAST_NUMEL, src=0)
     sequence_parallel = cfg.tensor_parallel is not None and cfg.tensor_parallel.sequence_parallel
     applied = parallelize(model, plan, tensor, sequence_parallel=sequence_parallel)
-    attach_rng(model, TensorParallelRNG(tensor, int(seed.item())))
+    # Ulysses ranks hold other heads: their region streams differ too.
+    attach_rng(model, TensorParallelRNG(tensor, int(seed.item()) + sequence_seed_offset(groups)))
     split = tensor_splits(model)
     whole = [p for n, p in model.named_parameters() if n not in split]
     log.info(

@@ -48,7 +48,7 @@ class GPTConfig:
 
 class CausalCore(nn.Module):
     """Causal scaled dot-product attention on ``[batch, heads, time, head_dim]`` tensors:
-    the part Ulysses sequence parallelism runs on whole sequences (``GPT._sp_plan``)."""
+    the part Ulysses sequence parallelism runs on whole sequences (``Block._sp_plan``)."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
@@ -100,7 +100,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block. ``_sp_plan`` names its attention core, which Ulysses
+    sequence parallelism runs on whole sequences."""
+
+    _sp_plan: ClassVar[dict[str, str]] = {"attn.core": "bhsd"}
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -126,11 +129,8 @@ class GPT(nn.Module):
     ``_tp_plan`` splits it Megatron's way: the token embedding and the (tied) head along the
     vocabulary, qkv and the MLP's first layer by output columns, the two output projections
     by input rows; the position embedding and LayerNorms stay whole. The ``sequence`` entries
-    act only with Megatron sequence parallelism. ``_sp_plan`` names the attention cores that
-    Ulysses sequence parallelism runs on whole sequences.
+    act only with Megatron sequence parallelism. Ulysses finds each block's ``_sp_plan``.
     """
-
-    _sp_plan: ClassVar[dict[str, str]] = {"blocks.*.attn.core": "bhsd"}
 
     _tp_plan: ClassVar[dict[str, str]] = {
         "wte": "vocab",
@@ -229,11 +229,16 @@ class GPTEmbedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.apply(GPT._init_weights)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x``: token ids, or ``(ids, position_ids)`` for a slice of a longer sequence
+        (Ulysses: ``gpt_pipeline_micro_batch``)."""
+        idx, positions = x if isinstance(x, tuple) else (x, None)
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
-        return self.drop(self.token(idx) + self.position(torch.arange(t, device=idx.device)))
+        if positions is None:
+            positions = torch.arange(t, device=idx.device)
+        return self.drop(self.token(idx) + self.position(positions))
 
 
 class GPTBlock(Block):
@@ -295,9 +300,29 @@ def gpt_pipeline_layers(cfg: GPTConfig) -> list[LayerSpec]:
     return layers
 
 
-def gpt_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (batch, time, vocab) against ``targets`` (batch, time)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+def gpt_loss_fn(
+    logits: torch.Tensor, targets: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (batch, time, vocab) against ``targets`` (batch,
+    time), or ``sum / num_items_in_batch`` for ``(targets, num_items_in_batch)`` (a slice of a
+    longer sequence under Ulysses: ``gpt_pipeline_micro_batch``)."""
+    flat = logits.reshape(-1, logits.size(-1))
+    if isinstance(targets, tuple):
+        targets, count = targets
+        return F.cross_entropy(flat, targets.reshape(-1), reduction="sum") / count
+    return F.cross_entropy(flat, targets.reshape(-1))
+
+
+def gpt_pipeline_micro_batch(sharded: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    """``(inputs, labels)`` for ``gpt_pipeline_layers`` from ``engine.shard_sequence({"idx":
+    x, "targets": y})``: the slice's ids with their positions, its targets with the
+    sequence group's count (plain ``(ids, targets)`` when nothing was sharded)."""
+    if "position_ids" not in sharded:
+        return sharded["idx"], sharded["targets"]
+    return (
+        (sharded["idx"], sharded["position_ids"]),
+        (sharded["targets"], sharded["num_items_in_batch"]),
+    )
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
