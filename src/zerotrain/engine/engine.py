@@ -36,6 +36,7 @@ from zerotrain.config.policies import PrecisionPolicy, TrainingPolicy
 from zerotrain.engine.accounting import MemoryBreakdown, memory_breakdown
 from zerotrain.engine.checkpoint_state import EngineCheckpointState
 from zerotrain.engine.data import DistributedDataLoader
+from zerotrain.engine.loss_window import LossWindow
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.engine.ranks import RankQueries
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
@@ -123,8 +124,8 @@ class Engine(RankQueries, nn.Module):
         self._backward_pending_step = False
         self._no_sync = False  # inside engine.no_sync()
         self._grad_norm: torch.Tensor | None = None
-        # This rank's micro-batch losses since the last periodic report.
-        self.window_losses: list[torch.Tensor] = []
+        # This rank's micro-batch losses since the last periodic report, as a running sum.
+        self.loss_window = LossWindow()
         self.telemetry = Telemetry(
             telemetry or TelemetryPolicy(), env.device, comm.rank, memory_estimate
         )
@@ -189,7 +190,7 @@ class Engine(RankQueries, nn.Module):
             self.micro_steps -= self.micro_steps % gas  # the window starts over
             raise
         if not self._no_sync:
-            self.window_losses.append(loss.detach())
+            self.loss_window.add(loss)
             self._backward_pending_step = True
         return loss
 
@@ -261,8 +262,7 @@ class Engine(RankQueries, nn.Module):
                     "step", "offload_io", offload.io_seconds() - io_before
                 )
             self.global_steps += 1
-            step_losses = self.window_losses[-batch.gradient_accumulation_steps :]
-            self.telemetry.after_step(self, step_losses)
+            self.telemetry.after_step(self, self.loss_window.end_step())
         self.micro_steps += 1
         self._backward_pending_step = False
 
@@ -422,7 +422,7 @@ class Engine(RankQueries, nn.Module):
             strict=strict,
         )
         self.last_load_report = report
-        self.window_losses.clear()  # losses of the steps before the load are not reported
+        self.loss_window.clear()  # losses of the steps before the load are not reported
         return path, client_state
 
     def destroy(self, restore_params: bool = True) -> None:

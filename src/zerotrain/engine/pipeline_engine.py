@@ -244,8 +244,8 @@ class PipelineEngine(Engine):
         self.global_samples += batch.train_batch_size
         self.global_steps += 1
         loss = self._batch_loss(losses)
-        self.window_losses.append(loss)
-        self.telemetry.after_step(self, [loss])
+        self.loss_window.add(loss)
+        self.telemetry.after_step(self, self.loss_window.end_step())
         return loss
 
     @torch.no_grad()

@@ -151,9 +151,8 @@ class Telemetry:
     def report(self, engine: Engine) -> None:
         """The periodic log line (every ``steps_per_print`` steps) and what goes with it."""
         engine.strategy.report_outside_changes()
-        losses = engine.window_losses
         # Average the window's loss over ranks: one tiny collective every steps_per_print.
-        local = torch.stack(losses).float().mean().item() if losses else 0.0
+        local = engine.loss_window.mean()
         mean_loss = engine.comm.all_reduce_floats([local])[0] / engine.comm.world_size
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
         samples = self._steps_in_window * engine.train_batch_size()
@@ -179,7 +178,7 @@ class Telemetry:
             log.info("collectives so far:\n%s", engine.comm.comms_summary().table(by_size=False))
         if self.monitors.configured:
             self._write_memory(engine)
-        engine.window_losses.clear()
+        engine.loss_window.clear()
         self._steps_in_window = 0
         self._window_start = time.perf_counter()
 
