@@ -520,13 +520,14 @@ def test_gradients_are_averaged_and_unscaled_like_fp32(precision, stage):
 # -- overflow in bf16, fp16 communication, frozen parameters, destroy() ---------------------
 
 
-def _bf16_nan(check: bool) -> dict:
+def _bf16_nan(check: bool, action: str = "skip") -> dict:
     model = nn.Linear(4, 4, bias=False)
     config = {
         "train_batch_size": dist.get_world_size(),
         "bf16": {"enabled": True, "check_grad_overflow": check},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": _zero(2),
+        "non_finite_gradients": {"action": action},
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     poison = model.weight.register_hook(lambda g: g * float("nan"))
@@ -541,8 +542,11 @@ def _bf16_nan(check: bool) -> dict:
 
 def test_bf16_check_grad_overflow_skips_non_finite_steps():
     assert run_distributed(_bf16_nan, 2, True) == [{"finite": True, "skipped": 1}] * 2
-    # Without the check bf16 applies the step, as DeepSpeed does.
-    assert run_distributed(_bf16_nan, 2, False) == [{"finite": False, "skipped": 0}] * 2
+    # Without DeepSpeed's check, zerotrain's own policy (non_finite_gradients) still skips;
+    # with its action "ignore" bf16 applies the step, as DeepSpeed does.
+    assert run_distributed(_bf16_nan, 2, False) == [{"finite": True, "skipped": 1}] * 2
+    ignored = run_distributed(_bf16_nan, 2, False, "ignore")
+    assert ignored == [{"finite": False, "skipped": 0}] * 2
 
 
 def _frozen_master(stage: int) -> dict:

@@ -158,6 +158,10 @@ class TrainingPolicy:
     # Checkpoints: how many to keep (None: all) and what to do when ranks pass different
     # tags ("fail", "warn" or "ignore").
     keep_last: int | None = None
+    # fp32/bf16 steps with inf/NaN gradients: "skip", "raise" or "ignore", and how many
+    # skipped steps in a row raise.
+    non_finite_action: str = "skip"
+    max_consecutive_skips: int = 10
     tag_validation: str = "warn"
 
 
@@ -310,6 +314,8 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         loss_divisor=1 if precision.master_weights else gas,
         keep_last=cfg.checkpoint.keep_last,
         tag_validation=cfg.checkpoint.tag_validation.lower(),
+        non_finite_action=cfg.non_finite_gradients.action,
+        max_consecutive_skips=cfg.non_finite_gradients.max_consecutive_skips,
     )
     optimizer = scheduler = None
     if cfg.optimizer is not None:

@@ -368,6 +368,18 @@ class PipelineConfig(Section):
         return self
 
 
+class NonFiniteGradientsConfig(Section):
+    """``non_finite_gradients`` (zerotrain's; DeepSpeed has none): what a step whose
+    gradients hold inf/NaN does without fp16's loss scaler (fp32, bf16). ``action``:
+    ``"skip"`` the update on every rank (logged with the step and the first non-finite
+    parameter, counted in ``skipped_steps``), ``"raise"`` at once (Megatron's choice), or
+    ``"ignore"`` (apply it: parameters become NaN; no per-step synchronization).
+    ``max_consecutive_skips``: raise when this many steps in a row were skipped."""
+
+    action: Literal["skip", "raise", "ignore"] = "skip"
+    max_consecutive_skips: PositiveInt = 10
+
+
 class ZeroTrainConfig(Section):
     """The whole config. Batch sizes are resolved against the world size by ``batch.py``."""
 
@@ -397,6 +409,7 @@ class ZeroTrainConfig(Section):
     dataloader_drop_last: Bool = False
 
     steps_per_print: PositiveInt = 10
+    non_finite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig)
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     dump_state: Bool = False

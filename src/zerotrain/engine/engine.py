@@ -103,6 +103,7 @@ class Engine(RankQueries, nn.Module):
         scaling = self.precision.loss_scale
         self.loss_scaler = LossScaler(scaling) if scaling is not None else None
         self.skipped_steps = 0
+        self._consecutive_skips = 0  # fp32/bf16 steps skipped in a row for inf/NaN
         self._step_applied = True
         # What the units did not take (frozen parameters at stages 0-2, buffers) is cast to
         # the compute dtype too, as after model.to(dtype); destroy() casts it back.
@@ -270,9 +271,14 @@ class Engine(RankQueries, nn.Module):
         """Clip, step and schedule on the reduced gradients, or skip on an overflow."""
         norm = self.strategy.grad_norm()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        # Kept as a tensor unless overflow is checked: converting it would force a device
-        # sync every step.
-        overflow = self.precision.check_overflow and not bool(torch.isfinite(norm))
+        # Checking converts the norm to a Python bool: one device sync per step, skipped only
+        # with non_finite_gradients.action "ignore" (fp32/bf16). The norm is global, so
+        # every rank reaches the same verdict.
+        policy = self.policy
+        checked = self.precision.check_overflow or policy.non_finite_action != "ignore"
+        overflow = checked and not bool(torch.isfinite(norm))
+        if self.loss_scaler is None:
+            self._non_finite(overflow, norm)
         self._step_applied = not overflow
         if overflow:
             self._grad_norm = norm
@@ -286,14 +292,51 @@ class Engine(RankQueries, nn.Module):
                 self.lr_scheduler.step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        if overflow:
+        if overflow and self.loss_scaler is not None:
             log.info(
                 "step %d: gradient overflow (inf/NaN) on some rank; update skipped on every rank%s",
                 self.global_steps + 1,
-                f", loss scale {scale:g} -> {self.loss_scale:g}"
-                if self.loss_scaler is not None
-                else "",
+                f", loss scale {scale:g} -> {self.loss_scale:g}",
             )
+
+    def _non_finite(self, found: bool, norm: torch.Tensor) -> None:
+        """fp32/bf16 (no loss scaler): log a step with inf/NaN gradients, and raise when the
+        policy says so or too many came in a row (``non_finite_gradients``)."""
+        if not found:
+            self._consecutive_skips = 0
+            return
+        self._consecutive_skips += 1
+        step, policy = self.global_steps + 1, self.policy
+        where = self.strategy.first_nonfinite_grad()
+        detail = (
+            f"first non-finite gradient on this rank: {where}"
+            if where is not None
+            else "this rank's gradient slices are finite (another rank's are not)"
+        )
+        limit = policy.max_consecutive_skips
+        if policy.non_finite_action == "raise" or self._consecutive_skips >= limit:
+            self.strategy.skip_step()
+            self.skipped_steps += 1
+            why = (
+                "non_finite_gradients.action is 'raise'"
+                if policy.non_finite_action == "raise"
+                else f"{self._consecutive_skips} steps in a row (non_finite_gradients."
+                f"max_consecutive_skips={limit})"
+            )
+            raise FloatingPointError(
+                f"step {step}: the gradients hold inf/NaN (global norm {float(norm)}); "
+                f"{detail}. Stopping: {why}. The parameters were not updated; lower the "
+                "learning rate, check the data and the loss, or clip gradients"
+            )
+        log.warning(
+            "step %d: gradient norm %s (inf/NaN); update skipped on every rank "
+            "(%d in a row, raising at %d); %s",
+            step,
+            float(norm),
+            self._consecutive_skips,
+            limit,
+            detail,
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the accumulated gradients (the engine already does this after every step).

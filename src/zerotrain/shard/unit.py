@@ -254,6 +254,18 @@ class ShardedUnit:
         kept in a file (its sum was taken as it was written out)."""
         return self.grads.slot.squared_norm(lambda: self.grad_shard)
 
+    def first_nonfinite_grad(self) -> str | None:
+        """The name of the first parameter whose gradient in this rank's owned range holds
+        inf/NaN (None: none, or the slice is in a swap file)."""
+        if self.grads.slot.streamed:
+            return None
+        bad = (~torch.isfinite(self.grad_shard)).nonzero()
+        if bad.numel() == 0:
+            return None
+        offset = self.owned[0] + int(bad[0, 0])
+        layout = self.buffer.layout
+        return next((p.fqn for p in layout.params if p.start <= offset < p.end), None)
+
     def grads_to_scale(self) -> list[torch.Tensor]:
         """The gradient to multiply in memory by the unscale/clip factor: none when the
         offloaded step streams the slice (it scales each chunk as it reads it)."""

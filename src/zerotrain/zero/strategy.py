@@ -360,6 +360,11 @@ class ZeroStrategy:
         ]
         return norm_from_squares(squares, self.global_norm_reducer())
 
+    def first_nonfinite_grad(self) -> str | None:
+        """The first parameter, in unit order, whose reduced gradient holds inf/NaN in this
+        rank's slices (None: none here; another rank's slices may hold it)."""
+        return next((n for u in self.units if (n := u.first_nonfinite_grad()) is not None), None)
+
     def _counted_squares(self, k: int, unit: ShardedUnit) -> torch.Tensor:
         if unit.grads.slot.streamed:
             raise NotImplementedError(

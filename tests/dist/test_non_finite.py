@@ -1,0 +1,122 @@
+"""Steps whose gradients hold inf/NaN under fp32 and bf16 (issue 29, item 5).
+
+Before, such a step updated the parameters to NaN without a word (fp16 skipped through its
+loss scaler). Now, by default (``non_finite_gradients.action: "skip"``), the update is
+skipped on every rank, logged with the step and the first non-finite parameter, counted in
+``skipped_steps``, and training goes on; ``max_consecutive_skips`` steps in a row raise,
+and ``action: "raise"`` raises at once. The fault is real: a gradient hook turns one
+parameter's gradient into NaN on one rank only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerotrain
+from zerotrain.examples.gpt import GPT, GPTConfig
+from zerotrain.testing.dist import run_distributed
+
+CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+STEPS = 6
+
+
+class _Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _train(stage: int, dtype: str, poison: list[int], section: dict[str, Any]) -> dict:
+    """Train STEPS steps; at each step in ``poison`` rank 1 turns ``wpe.weight``'s gradient
+    into NaN. Returns what happened on this rank."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine, *_ = zerotrain.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": dtype == "bf16"},
+            "non_finite_gradients": section,
+            "steps_per_print": 1000,
+        },
+    )
+    captured = _Captured()
+    logging.getLogger("zerotrain").addHandler(captured)
+    state = {"step": 0}
+
+    def poisoned(grad: torch.Tensor) -> torch.Tensor:
+        hit = state["step"] in poison and dist.get_rank() == 1
+        return grad * float("nan") if hit else grad
+
+    model.wpe.weight.register_hook(poisoned)
+    tokens = torch.randint(
+        0, 256, (STEPS, 2, CFG.block_size + 1), generator=torch.Generator().manual_seed(1)
+    )
+    snapshots, error = [], None
+    try:
+        for step in range(STEPS):
+            state["step"] = step
+            engine.backward(engine(tokens[step, :, :-1], tokens[step, :, 1:]))
+            engine.step()
+            with zerotrain.zero.GatheredParameters(list(model.parameters())):
+                snapshots.append(
+                    torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+                )
+    except FloatingPointError as exc:
+        error = str(exc)
+    return {
+        "snapshots": snapshots,
+        "skipped": engine.skipped_steps,
+        "applied": engine.was_step_applied(),
+        "warnings": captured.messages,
+        "error": error,
+    }
+
+
+@pytest.mark.parametrize(("stage", "dtype"), [(1, "fp32"), (3, "fp32"), (2, "bf16")])
+def test_a_non_finite_step_is_skipped_on_every_rank_and_named(stage, dtype):
+    results = run_distributed(_train, 2, stage, dtype, [2], {}, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, r["error"]
+        assert r["skipped"] == 1, (rank, r["skipped"])
+        shots = r["snapshots"]
+        assert torch.equal(shots[2], shots[1]), "the poisoned step 3 changed the parameters"
+        assert not torch.equal(shots[3], shots[2]), "training did not go on after the skip"
+        assert all(torch.isfinite(s).all() for s in shots)
+        warning = next(m for m in r["warnings"] if "inf/NaN" in m)
+        assert "step 3" in warning and "skipped on every rank" in warning, warning
+    # The rank whose slice holds wpe.weight names it (at stages 1-3 each rank owns a slice).
+    named = [m for r in results for m in r["warnings"] if "first non-finite gradient" in m]
+    assert any("wpe.weight" in m for m in named), named
+
+
+def test_consecutive_skips_raise_naming_the_key():
+    section = {"max_consecutive_skips": 3}
+    for r in run_distributed(_train, 2, 1, "fp32", [1, 2, 3, 4], section, timeout=120):
+        assert r["error"] is not None, r
+        assert "step 4" in r["error"] and "max_consecutive_skips=3" in r["error"], r["error"]
+        assert r["skipped"] == 3
+        assert len(r["snapshots"]) == 3  # steps 1-3 recorded; the 4th raised
+
+
+def test_action_raise_stops_at_the_first():
+    for r in run_distributed(_train, 2, 1, "fp32", [2], {"action": "raise"}, timeout=120):
+        assert r["error"] is not None and "step 3" in r["error"], r
+        assert "'raise'" in r["error"], r["error"]
+
+
+def test_action_ignore_applies_the_update_as_before():
+    # The old behaviour, for those who want no per-step synchronization.
+    for r in run_distributed(_train, 2, 1, "fp32", [2], {"action": "ignore"}, timeout=120):
+        assert r["error"] is None and r["skipped"] == 0
+        assert not torch.isfinite(r["snapshots"][2]).all()
