@@ -94,7 +94,8 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_named(stage, dtype):
         assert not torch.equal(shots[3], shots[2]), "training did not go on after the skip"
         assert all(torch.isfinite(s).all() for s in shots)
         warning = next(m for m in r["warnings"] if "inf/NaN" in m)
-        assert "step 3" in warning and "skipped on every rank" in warning, warning
+        assert "step 3" in warning, warning
+        assert "skipped on every rank" in warning, warning
     # The rank whose slice holds wpe.weight names it (at stages 1-3 each rank owns a slice).
     named = [m for r in results for m in r["warnings"] if "first non-finite gradient" in m]
     assert any("wpe.weight" in m for m in named), named
@@ -104,14 +105,16 @@ def test_consecutive_skips_raise_naming_the_key():
     section = {"max_consecutive_skips": 3}
     for r in run_distributed(_train, 2, 1, "fp32", [1, 2, 3, 4], section, timeout=120):
         assert r["error"] is not None, r
-        assert "step 4" in r["error"] and "max_consecutive_skips=3" in r["error"], r["error"]
+        assert "step 4" in r["error"], r["error"]
+        assert "max_consecutive_skips=3" in r["error"], r["error"]
         assert r["skipped"] == 3
         assert len(r["snapshots"]) == 3  # steps 1-3 recorded; the 4th raised
 
 
 def test_action_raise_stops_at_the_first():
     for r in run_distributed(_train, 2, 1, "fp32", [2], {"action": "raise"}, timeout=120):
-        assert r["error"] is not None and "step 3" in r["error"], r
+        assert r["error"] is not None, r
+        assert "step 3" in r["error"], r["error"]
         assert "'raise'" in r["error"], r["error"]
 
 
