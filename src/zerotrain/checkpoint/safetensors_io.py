@@ -9,6 +9,7 @@ copies a range of elements straight into a destination tensor with ordinary file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -107,8 +108,10 @@ class StreamingWriter:
         self._next += 1
 
     def close_quietly(self) -> None:
-        """Close without completing (after an error); the file is incomplete."""
-        self._file.close()
+        """Close without completing (after an error); the file is incomplete. Flushing
+        what is buffered may fail again (a full disk): that is not reported twice."""
+        with contextlib.suppress(OSError):
+            self._file.close()
 
     def close(self) -> tuple[int, int]:
         """Finish the file (every declared tensor must have been written); returns

@@ -15,14 +15,21 @@ failed, and all raise together if one did, so no rank is left waiting):
    names the new one), then rewrites ``latest`` and prunes old checkpoints (``keep_last``).
 
 A crash at any point leaves a complete copy of every checkpoint that was complete before:
-see ``checkpoint/directory.py``.
+see ``checkpoint/directory.py``. A save that fails (every rank raises together) removes its
+``.TAG.partial`` directory. Before writing, the ranks compare what they will write with the
+free space of each filesystem they share (ranks on one host writing to one device add up),
+so a full disk is reported as such, with the bytes needed and free, before anything is
+written; a disk that fills up anyway is reported the same way.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import socket
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +88,51 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, int
     try:
         for key, tensor in tensors.items():
             writer.write(key, tensor)
-    finally:
-        size_crc = writer.close()
-    return size_crc
+    except BaseException:
+        writer.close_quietly()  # the write's own error is the one to report
+        raise
+    return writer.close()
+
+
+# Beyond the tensors' bytes: the shard's header, the rank's index, the manifest.
+_SLACK_BYTES = 1 << 20
+
+
+def _shard_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + _SLACK_BYTES
+
+
+def _check_space(comm: Communicator, path: Path, needed: int) -> OSError | None:
+    """Collective: whether the ranks writing to ``path``'s filesystem on this host fit in
+    its free space; the error to raise (ENOSPC, naming path, bytes needed and free), if not.
+    """
+    host = float(zlib.crc32(socket.gethostname().encode()))
+    device = float(os.stat(path).st_dev)
+    row = [0.0] * (3 * comm.world_size)
+    row[3 * comm.rank : 3 * comm.rank + 3] = [host, device, float(needed)]
+    every = comm.all_reduce_floats(row)
+    sharing = [r for r in range(comm.world_size) if every[3 * r : 3 * r + 2] == [host, device]]
+    total = int(sum(every[3 * r + 2] for r in sharing))
+    free = shutil.disk_usage(path).free
+    if total <= free:
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on device for checkpoint {path}: the {len(sharing)} rank(s) writing "
+        f"to this filesystem need {total:,} bytes ({total / 2**20:.1f} MiB), "
+        f"{free:,} bytes ({free / 2**20:.1f} MiB) are free; free space or save elsewhere",
+    )
+
+
+def _no_space(exc: OSError, path: Path, needed: int) -> OSError:
+    """``exc`` (ENOSPC while writing) with the path and the bytes needed and free."""
+    free = shutil.disk_usage(path).free
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on device while writing checkpoint {path}: this rank needed "
+        f"{needed:,} bytes, {free:,} bytes are free now (the disk filled up after the "
+        f"check before the save); free space or save elsewhere ({exc})",
+    )
 
 
 def _check_same_tag(comm: Communicator, tag: str, validation: str) -> None:
@@ -130,16 +179,44 @@ def _prune(root: Path, keep_last: int, current: str) -> None:
 
 
 def _write_rank(state: TrainState, partial: Path) -> None:
-    """Step 2 on one rank: its shard file and its index."""
+    """Step 2 on one rank: its shard file and its index, after the job-wide space check
+    (collective: every rank takes part, also one whose plan failed)."""
     placement = state.placement
     # Swapped-out states (NVMe offload) are read back for as long as they are written.
     with state.sharded.resident(write_back=False):
-        state.sharded.adopt_outside_changes()  # what the user wrote since the last step
-        plan, tensors, aliases = build_plan(state, shard_file(placement.global_rank))
-        rng_state, rng_tensors = rng.capture(placement.device)
-        plan.tensors.update(rng_tensors)
-        size, crc = _write_shard(partial / plan.file, plan.tensors)
+        error: Exception | None = None
+        needed = 0
+        try:
+            state.sharded.adopt_outside_changes()  # what the user wrote since the last step
+            plan, tensors, aliases = build_plan(state, shard_file(placement.global_rank))
+            rng_state, rng_tensors = rng.capture(placement.device)
+            plan.tensors.update(rng_tensors)
+            needed = _shard_bytes(plan.tensors)
+        except Exception as exc:
+            error = exc
+        space = _check_space(placement.world, partial, needed)
+        if error is not None or space is not None:
+            raise error or space  # type: ignore[misc]
+        try:
+            size, crc = _write_shard(partial / plan.file, plan.tensors)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise _no_space(exc, partial, needed) from exc
+            raise
     write_index(partial, placement.global_rank, plan, size, crc, rng_state, tensors, aliases)
+
+
+def _agree_or_discard(
+    comm: Communicator, error: BaseException | None, what: str, partial: Path, leader: bool
+) -> None:
+    """``agree``; when the save failed, the leader removes the partial directory first."""
+    try:
+        agree(comm, error, what)
+    except BaseException:
+        if leader and partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+            log.info("removed the incomplete checkpoint directory %s", partial)
+        raise
 
 
 def save_checkpoint(
@@ -182,13 +259,13 @@ def save_checkpoint(
                 _save_client_state(partial / CLIENT_STATE, client_state)
         except Exception as exc:
             error = exc
-    agree(world, error, f"creating {partial}")
+    _agree_or_discard(world, error, f"creating {partial}", partial, leader)
 
     try:
         _write_rank(state, partial)
     except Exception as exc:
         error = exc
-    agree(world, error, f"writing their shards into {partial}")
+    _agree_or_discard(world, error, f"writing their shards into {partial}", partial, leader)
 
     if leader:
         try:
@@ -198,7 +275,7 @@ def save_checkpoint(
                 _prune(root, keep_last, tag)
         except Exception as exc:
             error = exc
-    agree(world, error, f"writing the manifest of {final}")
+    _agree_or_discard(world, error, f"writing the manifest of {final}", partial, leader)
     if leader:
         total = sum(p.stat().st_size for p in final.iterdir())
         log.info(
