@@ -18,6 +18,7 @@ def _pairs(min_bytes: int) -> ShmPairs:
         world_size=3,
         token="test",
         pids=[os.getpid()] * 3,
+        tags=["test"] * 3,
         local=[False, True, False],
         settings=PairSettings(min_bytes=min_bytes),
         timeout=1.0,

@@ -22,11 +22,13 @@ the slots.
 from __future__ import annotations
 
 import _posixshmem  # type: ignore[import-not-found]
+import contextlib
 import datetime
 import os
 import platform
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
@@ -36,6 +38,9 @@ import torch
 
 from zerotrain.comm.splits import split_mismatches
 from zerotrain.utils.invariant import invariant
+from zerotrain.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 _LINE = 64  # bytes of control per rank: one cache line, so ranks never share a line
 _NOTE = 192  # bytes per rank describing the collective it is in (for mismatch errors)
@@ -75,6 +80,90 @@ def host_identity() -> str:
     except OSError:
         boot = ""
     return f"{os.uname().nodename}/{boot}"
+
+
+_SEGMENT_PREFIX = "zerotrain-"
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def process_tag() -> str:
+    """This process as segment names carry it: ``PID.NAMESPACE`` (the PID namespace's inode:
+    a process id means something only inside its namespace)."""
+    return f"{os.getpid()}.{_pid_namespace()}"
+
+
+def stale_sweepable_name(creator: str, rest: str) -> str:
+    """A segment name that carries its creator's :func:`process_tag`, so that a segment
+    whose creator died before removing the name can be recognised and removed later."""
+    return f"{_SEGMENT_PREFIX}{creator}-{rest}"
+
+
+def segment_name() -> str:
+    """A new arena's name (created by this process)."""
+    return stale_sweepable_name(process_tag(), uuid.uuid4().hex[:16])
+
+
+def _dead_creator(name: str) -> bool:
+    """Whether ``name``'s creator is known to be gone: its tag is from this PID namespace
+    and no such process exists."""
+    pid, _, namespace = name[len(_SEGMENT_PREFIX) :].split("-", 1)[0].partition(".")
+    if not pid.isdigit() or namespace != str(_pid_namespace()):
+        return False
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def remove_segments_of(pids: set[int], root: str = "/dev/shm") -> list[str]:
+    """Remove the segments created by ``pids`` (processes of this PID namespace that are
+    known to have ended: a launcher's or a test harness's workers); returns their names."""
+    namespace = str(_pid_namespace())
+    removed = []
+    for name in _names(root):
+        pid, _, ns = name[len(_SEGMENT_PREFIX) :].split("-", 1)[0].partition(".")
+        if ns == namespace and pid.isdigit() and int(pid) in pids:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, name))
+                removed.append(name)
+    return removed
+
+
+def _names(root: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(root) if n.startswith(_SEGMENT_PREFIX)]
+    except OSError:
+        return []
+
+
+def remove_stale_segments(root: str = "/dev/shm") -> list[str]:
+    """Remove segments (arenas, point-to-point channels) whose creating process is gone:
+    killed between creating the segment and removing its name, which happens once every
+    peer attached. Returns their names. Only names in ``/proc`` of this PID namespace are
+    judged (segments of other PID namespaces are left alone), and only segments not touched
+    for a minute (one being set up right now is left alone)."""
+    removed: list[str] = []
+    for name in _names(root):
+        path = os.path.join(root, name)
+        try:
+            if not _dead_creator(name):
+                continue
+            if time.time() - os.stat(path).st_mtime < 60:
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+    if removed:
+        log.info(
+            "removed %d stale shared-memory segment(s) of dead zerotrain processes: %s",
+            len(removed),
+            ", ".join(removed),
+        )
+    return removed
 
 
 class ShmArena:

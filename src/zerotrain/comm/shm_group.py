@@ -24,7 +24,8 @@ from zerotrain.utils.logging import get_logger
 log = get_logger(__name__)
 
 
-_Info = tuple[str, bool, int, str | None, int, str, PairSettings | None]
+# host, shm supported, slot bytes, problems, pid, token, pair settings, process tag
+_Info = tuple[str, bool, int, str | None, int, str, PairSettings | None, str]
 
 
 def open_group_arena(
@@ -58,6 +59,7 @@ def open_group_arena(
         os.getpid(),
         uuid.uuid4().hex[:16],
         pair_settings,
+        shm.process_tag(),
     )
     infos: list[_Info | None] = [None] * world_size
     dist.all_gather_object(infos, mine, group=group)
@@ -90,16 +92,23 @@ def open_group_arena(
             return None
 
     # Rank 0 creates the segment before anyone learns its name, so nobody opens too early.
-    arena = open_arena(f"zerotrain-{uuid.uuid4().hex[:16]}", True) if rank == 0 else None
-    names: list[str | None] = [arena.name if arena is not None else None]
-    dist.broadcast_object_list(names, src=to_global(0), group=group)
-    if rank != 0 and names[0] is not None:
-        arena = open_arena(str(names[0]), False)
-    ok = 1.0 if arena is not None else 0.0
-    flag = torch.tensor([ok])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # also: all attached
-    if rank == 0 and arena is not None:
-        arena.unlink()  # the memory lives while mapped; no name is left behind
+    arena = None
+    if rank == 0:
+        shm.remove_stale_segments()
+        arena = open_arena(shm.segment_name(), True)
+    try:
+        names: list[str | None] = [arena.name if arena is not None else None]
+        dist.broadcast_object_list(names, src=to_global(0), group=group)
+        if rank != 0 and names[0] is not None:
+            arena = open_arena(str(names[0]), False)
+        ok = 1.0 if arena is not None else 0.0
+        flag = torch.tensor([ok])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # also: all attached
+    finally:
+        # The memory lives while mapped; no name is left behind, also when a rank died
+        # during the set-up (the exchange above then raised on this rank).
+        if rank == 0 and arena is not None:
+            arena.unlink()
     if flag.item() < 1.0:
         if arena is not None:
             arena.close()
@@ -122,6 +131,7 @@ def _pairs(seen: list[_Info], rank: int, timeout: datetime.timedelta | None) -> 
         world_size=len(seen),
         token=seen[0][5],
         pids=[info[4] for info in seen],
+        tags=[info[7] for info in seen],
         local=local,
         settings=settings,
         timeout=(timeout or datetime.timedelta(seconds=600)).total_seconds(),

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from zerotrain.comm.handle import CollectiveError
-from zerotrain.comm.shm import untracked_segment
+from zerotrain.comm.shm import remove_stale_segments, stale_sweepable_name, untracked_segment
 from zerotrain.utils.invariant import invariant
 
 _LINE = 64  # control bytes per side: one cache line
@@ -286,6 +286,7 @@ class ShmPairs:
         rank / world_size: this rank's place in the group.
         token: a name prefix every rank of the group agreed on (unique per communicator).
         pids: every group rank's process id.
+        tags: every group rank's ``shm.process_tag()`` (segment names carry the creator's).
         local: for every group rank, whether it shares this machine (and shared memory).
         settings: channel sizes and the threshold (the same on every rank).
         timeout: seconds a peer may stay still before it is reported.
@@ -298,6 +299,7 @@ class ShmPairs:
         world_size: int,
         token: str,
         pids: Sequence[int],
+        tags: Sequence[str],
         local: Sequence[bool],
         settings: PairSettings,
         timeout: float,
@@ -306,6 +308,8 @@ class ShmPairs:
         self.world_size = world_size
         self.token = token
         self.pids = list(pids)
+        self.tags = list(tags)
+        remove_stale_segments()  # channels of earlier jobs whose creators were killed
         self.local = list(local)
         self.settings = settings
         self.timeout = timeout
@@ -329,7 +333,10 @@ class ShmPairs:
 
     def _name(self, peer: int) -> str:
         lo, hi = sorted((self.rank, peer))
-        return f"zt{self.token}-{lo}-{hi}"
+        # The creator's (the lower rank's) process id leads, so that a segment left by a
+        # creator killed before its peer opened it is swept by the next job on this host
+        # (shm.remove_stale_segments).
+        return stale_sweepable_name(self.tags[lo], f"p2p{self.token}-{lo}-{hi}")
 
     def _channel(self, peer: int) -> PairChannel | None:
         """The channel with ``peer``: created at once by the lower rank; opened by the higher

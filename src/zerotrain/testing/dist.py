@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm import shm
+
 _LOG_TAIL_CHARS = 4000
 
 
@@ -107,12 +109,15 @@ def _tail(path: str) -> str:
 
 
 def _kill(procs: Sequence[BaseProcess]) -> None:
+    """Stop the ranks, and remove the shared-memory segments they created and could not
+    (a rank ends with ``os._exit``, or was killed, before its finalizers run)."""
     started = [p for p in procs if p.pid is not None]
     for p in started:
         if p.is_alive():
             p.kill()
     for p in started:
         p.join(timeout=5)
+    shm.remove_segments_of({p.pid for p in started if p.pid is not None and not p.is_alive()})
 
 
 def run_distributed(
