@@ -91,7 +91,7 @@ def test_dead_peer_gives_collective_error_naming_rank_and_op():
     message = str(info.value)
     assert "rank 1 exited with code 3" in message
     assert "caught: rank 0: all_reduce of gradients ((4,) float32, 16 bytes) failed" in message
-    assert "Another rank probably exited" in message
+    assert "rank(s) [1] exited" in message  # named, not guessed
 
 
 def _size_mismatch() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
@@ -50,11 +49,11 @@ def test_segments_of_dead_creators_are_swept():
     elsewhere = shm.stale_sweepable_name(f"{dead_pid}.1", os.urandom(4).hex())
     old = time.time() - 3600
     for made in (name, elsewhere):
-        segment = shared_memory.SharedMemory(name=made, create=True, size=4096)
+        segment = shm.untracked_segment(made, True, 4096)
         segment.close()
         os.utime(f"/dev/shm/{made}", (old, old))
     fresh = shm.segment_name()  # a live creator's (this process): kept
-    kept = shared_memory.SharedMemory(name=fresh, create=True, size=4096)
+    kept = shm.untracked_segment(fresh, True, 4096)
     try:
         assert name in shm.remove_stale_segments()
         assert not Path(f"/dev/shm/{name}").exists()
@@ -63,5 +62,47 @@ def test_segments_of_dead_creators_are_swept():
         assert Path(f"/dev/shm/{elsewhere}").exists()
     finally:
         kept.close()
-        kept.unlink()
+        Path(f"/dev/shm/{fresh}").unlink(missing_ok=True)
         Path(f"/dev/shm/{elsewhere}").unlink(missing_ok=True)
+
+
+def _peer_fails(how: str) -> None:
+    """Rank 1 stops (SIGSTOP) or dies (os._exit) just before an all-reduce; rank 0 reports
+    what it saw and after how long."""
+    comm = Communicator()
+    comm.barrier()
+    if comm.rank == 1:
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(9)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(1000), purpose="gradients")
+    except CollectiveError as err:
+        raise RuntimeError(f"after {time.monotonic() - start:.1f} s: {err}") from None
+
+
+def _detected(how: str, env: dict[str, str], comm_timeout: float = 40) -> tuple[float, str]:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_peer_fails, 2, how, timeout=90, comm_timeout=comm_timeout, env=env)
+    message = str(info.value)
+    rank0 = message.split("RuntimeError: after ")[1]
+    seconds = float(rank0.split(" s:")[0])
+    print(f"{how} ({env}): detected after {seconds:.1f} s: {rank0.splitlines()[0][:300]}")
+    return seconds, rank0
+
+
+def test_a_stopped_rank_is_named_by_its_silent_heartbeat_in_shared_memory():
+    seconds, message = _detected("stop", {"ZEROTRAIN_HEARTBEAT_TIMEOUT": "3"})
+    assert "rank(s) [1] stopped answering" in message, message
+    assert "stopped (SIGSTOP)" in message, message
+    assert seconds < 10, seconds  # the heartbeat's 3 s, not the 40 s collective timeout
+
+
+@pytest.mark.parametrize("how", ["exit", "stop"])
+def test_a_dead_or_stopped_rank_is_named_over_gloo(how):
+    # gloo alone says "connection closed by peer" or "timed out"; the heartbeats in the
+    # job's store name the rank. A stopped rank is found at the collective timeout.
+    seconds, message = _detected(how, {"ZEROTRAIN_SHM": "0"}, comm_timeout=8)
+    assert "Rank(s) [1] stopped answering" in message, message
+    assert seconds < (12 if how == "exit" else 20), seconds

@@ -18,7 +18,7 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
-from zerotrain.comm import shm
+from zerotrain.comm import liveness, shm
 from zerotrain.comm.comms_logger import CommsLogger, CommsLoggerPolicy, CommsSummary
 from zerotrain.comm.handle import CollectiveError, Handle, failure_message, in_flight
 from zerotrain.comm.handle import signature as signature_of
@@ -85,6 +85,11 @@ class Communicator:
         self.device = device
         self.stats = CommStats()
         self.comms_logger = CommsLogger(self.world_size)  # disabled until configure_logger
+        if self.world_size > 1:  # heartbeats name a rank that stops answering (once per process)
+            store_timeout = timeout or datetime.timedelta(seconds=60)
+            liveness.start_store_heartbeats(
+                dist.get_rank(), lambda: liveness.store_client(store_timeout)
+            )
         if shared_memory is None:
             shared_memory = self.backend == "gloo" and self.world_size > 1
         self._shm, pairs = (
@@ -186,7 +191,7 @@ class Communicator:
 
         self.stats.record(op, purpose, nbytes)
         if self._verify:
-            verify_signature(self.group, self.rank, self.timeout, signature)
+            verify_signature(self.group, self.rank, self.timeout, signature, self._explain)
             if check is not None:
                 check()
         # The clock starts after the signature check: that is not part of the collective, and
@@ -195,7 +200,7 @@ class Communicator:
         try:
             work = call(signature)
         except Exception as exc:
-            raise CollectiveError(failure_message(describe(), exc)) from exc
+            raise CollectiveError(failure_message(describe(), exc, explain=self._explain)) from exc
         if timer is not None:
             if in_flight(work):
                 # Known complete only when waited; for an async call the caller may overlap
@@ -203,10 +208,15 @@ class Communicator:
                 on_done = timer.stopping(on_done, overlapped=async_op)
             else:
                 timer.stop(overlapped=False)  # finished inside the call (shared memory)
-        handle = Handle(work, describe, on_done, self.timeout)
+        handle = Handle(work, describe, on_done, self.timeout, explain=self._explain)
         if not async_op:
             handle.wait()
         return handle
+
+    def _explain(self) -> str:
+        """Which of this group's ranks stopped answering (after a failure; waits a few
+        seconds for their heartbeats)."""
+        return liveness.explain_failure([self._global(r) for r in range(self.world_size)])
 
     def reduces_natively(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the backend can reduce ``dtype`` tensors on ``device``'s type. Where it
@@ -515,7 +525,7 @@ class Communicator:
             label,
             common=common,
             check=lambda: verify_splits(
-                self.group, self.rank, self.timeout, (sends, recvs), common
+                self.group, self.rank, self.timeout, (sends, recvs), common, self._explain
             ),
         )
 
@@ -662,4 +672,5 @@ class Communicator:
             else:
                 dist.barrier(group=self.group)
         except Exception as exc:
-            raise CollectiveError(failure_message(f"rank {self.rank}: barrier", exc)) from exc
+            message = failure_message(f"rank {self.rank}: barrier", exc, explain=self._explain)
+            raise CollectiveError(message) from exc

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm import liveness
 from zerotrain.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -94,7 +95,9 @@ def _env_from_group(timeout: datetime.timedelta) -> DistEnv:
             f"the existing process group uses backend '{backend}', but tensors live on "
             f"{device.type}, which needs '{expected_backend}'"
         )
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout)
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout)
+    _start_heartbeats(env)
+    return env
 
 
 def _destroy_at_exit() -> None:
@@ -150,7 +153,15 @@ def init_distributed(timeout: datetime.timedelta | float | None = None) -> DistE
     atexit.register(_destroy_at_exit)
     env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout)
     log.info("process group: %d rank(s), backend %s, device %s", env.world_size, backend, device)
+    _start_heartbeats(env)
     return env
+
+
+def _start_heartbeats(env: DistEnv) -> None:
+    """Tick this rank's heartbeat in the job's store (collective failures then name the
+    ranks that stopped answering)."""
+    if env.world_size > 1:
+        liveness.start_store_heartbeats(env.rank, lambda: liveness.store_client(env.timeout))
 
 
 def current_rank_and_world() -> tuple[int, int]:

@@ -44,9 +44,11 @@ class Handle:
         on_done: Callable[[], None] | None = None,
         timeout: datetime.timedelta | None = None,
         hint: str = COLLECTIVE_HINT,
+        explain: Callable[[], str] | None = None,
     ) -> None:
         if work is None:
             work = []
+        self._explain = explain
         self._works = [work] if isinstance(work, dist.Work) else list(work)
         self._describe = describe
         self._on_done = on_done
@@ -79,7 +81,8 @@ class Handle:
                 else:
                     work.wait(self._timeout)
         except Exception as exc:
-            raise CollectiveError(failure_message(self._describe(), exc, self._hint)) from exc
+            message = failure_message(self._describe(), exc, self._hint, self._explain)
+            raise CollectiveError(message) from exc
         self._finished = True
         if self._on_done is not None:
             self._on_done()
@@ -103,9 +106,18 @@ def in_flight(work: dist.Work | Sequence[dist.Work] | None) -> bool:
     return work is not None and (isinstance(work, dist.Work) or len(work) > 0)
 
 
-def failure_message(what: str, exc: BaseException, hint: str = COLLECTIVE_HINT) -> str:
-    """``what`` failed because of ``exc``; shared-memory mismatches already explain
-    themselves, anything else gets ``hint``."""
+def failure_message(
+    what: str,
+    exc: BaseException,
+    hint: str = COLLECTIVE_HINT,
+    explain: Callable[[], str] | None = None,
+) -> str:
+    """``what`` failed because of ``exc``; shared-memory errors already explain themselves
+    (they name the late or mismatched ranks), anything else gets ``explain()`` (which
+    ranks stopped answering, from their heartbeats) or else ``hint``."""
     if isinstance(exc, shm.ShmMismatchError):
         return f"{what}: {exc}"
-    return f"{what} failed: {exc}. {hint}"
+    if isinstance(exc, shm.ShmPeerError):
+        return f"{what} failed: {exc}"
+    named = explain() if explain is not None else ""
+    return f"{what} failed: {exc}.{named or ' ' + hint}"

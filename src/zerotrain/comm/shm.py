@@ -10,8 +10,9 @@ The arena holds one cache line of control per rank, a short note per rank naming
 collective it is in, and ``world_size`` data slots. Ranks
 synchronise on generation counters: ``barrier()`` raises this rank's counter and waits until
 every counter reached it. On x86-64, data written before a counter store is visible to any
-rank that sees the counter. A rank that exits is noticed through its process id, and every
-wait is bounded by the communicator's timeout: nothing hangs. Every collective first
+rank that sees the counter. A rank that exits, or stops answering (its heartbeat stands
+still: ``liveness``), is noticed within seconds, and every wait is bounded by the
+communicator's timeout: nothing hangs. Every collective first
 publishes a signature (op, size, dtype and what it carries); ranks that meet in different
 collectives raise at once, naming both, instead of exchanging the wrong data.
 
@@ -36,6 +37,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
+from zerotrain.comm import liveness
 from zerotrain.comm.splits import split_mismatches
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -43,6 +45,7 @@ from zerotrain.utils.logging import get_logger
 log = get_logger(__name__)
 
 _LINE = 64  # bytes of control per rank: one cache line, so ranks never share a line
+_HEARTBEAT, _NAMESPACE = 4, 5  # int64 positions in a control line
 _NOTE = 192  # bytes per rank describing the collective it is in (for mismatch errors)
 SLOT_BYTES = 8 << 20
 _ALIGN = 64
@@ -166,8 +169,10 @@ def remove_stale_segments(root: str = "/dev/shm") -> list[str]:
     return removed
 
 
-class ShmArena:
-    """The shared segment: control lines and data slots.
+class ShmArena(liveness.Tickable):
+    """The shared segment: control lines and data slots. Each rank's control line holds
+    its barrier generation, process id, the signatures of its last two collectives, its
+    heartbeat (ticked by ``liveness``) and its PID namespace.
 
     Args:
         name: the segment's name (created by rank 0, opened by the others).
@@ -212,6 +217,13 @@ class ShmArena:
         self._fence = threading.Lock()
         self._control[rank, 1] = os.getpid()
         self._control[rank, 0] = 0
+        self._namespace = liveness.pid_namespace()
+        self._control[rank, _HEARTBEAT] = 0
+        self._control[rank, _NAMESPACE] = self._namespace
+        self._silence = liveness.heartbeat_timeout()
+        self._heard: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat, when it moved)
+        self._closed = False
+        liveness.beat_for(self)
 
     @property
     def name(self) -> str:
@@ -222,8 +234,14 @@ class ShmArena:
         """Remove the name (mappings stay valid; the memory goes when every rank detached)."""
         _posixshmem.shm_unlink(self._shm._name)  # type: ignore[attr-defined]
 
+    def tick(self) -> None:
+        """One heartbeat (from the liveness thread)."""
+        if not self._closed:
+            self._control[self.rank, _HEARTBEAT] += 1
+
     def close(self) -> None:
         """Detach from the segment."""
+        self._closed = True
         del self._control, self._bytes, self._buf
         self._shm.close()
 
@@ -287,6 +305,7 @@ class ShmArena:
             return
         deadline = time.monotonic() + self.timeout
         next_check = time.monotonic() + 0.5
+        self._heard = {}
         spins = 0
         while int(counters.min()) < generation:
             spins += 1
@@ -300,15 +319,31 @@ class ShmArena:
                     raise ShmPeerError(self._late_message(generation, what, "did not arrive"))
 
     def _check_peers(self, generation: int, what: str) -> None:
+        """Raise if a late peer is gone: exited or a zombie (seen through ``/proc`` when it
+        shares this PID namespace), or silent, its heartbeat standing still for
+        ``ZEROTRAIN_HEARTBEAT_TIMEOUT`` seconds (any namespace; also a stopped process)."""
+        now = time.monotonic()
         for peer in range(self.world_size):
             if self._control[peer, 0] >= generation:
                 continue
-            try:
-                os.kill(int(self._control[peer, 1]), 0)
-            except ProcessLookupError:
-                raise ShmPeerError(self._late_message(generation, what, "exited")) from None
-            except PermissionError:
-                pass  # exists, owned by someone else
+            beat = int(self._control[peer, _HEARTBEAT])
+            same_namespace = int(self._control[peer, _NAMESPACE]) == self._namespace
+            state = (
+                liveness.process_state(int(self._control[peer, 1]))
+                if same_namespace
+                else "in another PID namespace"
+            )
+            if state == "exited" or state.startswith("a zombie"):
+                raise ShmPeerError(self._late_message(generation, what, "exited"))
+            heard = self._heard.get(peer)
+            if heard is None or heard[0] != beat:
+                self._heard[peer] = (beat, now)
+            elif now - heard[1] >= self._silence:
+                verb = (
+                    f"stopped answering (no heartbeat for {now - heard[1]:.0f} s; the "
+                    f"process is {state}; ZEROTRAIN_HEARTBEAT_TIMEOUT={self._silence:g})"
+                )
+                raise ShmPeerError(self._late_message(generation, what, verb))
 
     def _late_message(self, generation: int, what: str, verb: str) -> str:
         late = [p for p in range(self.world_size) if self._control[p, 0] < generation]

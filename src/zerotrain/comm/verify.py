@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,16 +27,18 @@ def verify_signature(
     rank: int,
     timeout: datetime.timedelta | None,
     signature: str,
+    explain: Callable[[], str] | None = None,
 ) -> None:
     """All-reduce a CRC of ``signature`` (16 bytes: the max of the code and of its
-    negation); raise on every rank if any rank's differs."""
+    negation); raise on every rank if any rank's differs. ``explain``: names the ranks that
+    stopped answering, when the check itself fails."""
     code = float(zlib.crc32(signature.encode()))
     both = torch.tensor([code, -code], dtype=torch.float64)
     try:
         _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout)
     except Exception as exc:
         raise CollectiveError(
-            failure_message(f"rank {rank}: {signature} (signature check)", exc)
+            failure_message(f"rank {rank}: {signature} (signature check)", exc, explain=explain)
         ) from exc
     if both[0].item() != -both[1].item():
         raise CollectiveError(
@@ -52,6 +54,7 @@ def verify_splits(
     timeout: datetime.timedelta | None,
     splits: tuple[Sequence[int], Sequence[int]],
     signature: str,
+    explain: Callable[[], str] | None = None,
 ) -> None:
     """Gather every rank's all-to-all ``(input, output)`` splits; raise on every rank,
     naming each pair that disagrees. Safe only after :func:`verify_signature` passed (the
@@ -65,7 +68,7 @@ def verify_splits(
     try:
         _wait(gather(table, mine, group=group, async_op=True), timeout)
     except Exception as exc:
-        raise CollectiveError(failure_message(what, exc)) from exc
+        raise CollectiveError(failure_message(what, exc, explain=explain)) from exc
     rows = table.view(n, 2 * n)
     problems = split_mismatches(rows[:, :n].tolist(), rows[:, n:].tolist())
     if problems:

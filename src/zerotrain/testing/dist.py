@@ -197,8 +197,9 @@ def _failure(
     errors: dict[int, str],
 ) -> DistributedTestError:
     """Build the error for a failed job. A rank's exception often makes the others fail in
-    their next collective; wait a moment so the report can name the first cause."""
-    settle = time.monotonic() + 1.0
+    their next collective; wait a moment so the report can name the first cause (and the
+    survivors' own reports, which name a dead peer after its heartbeat fell silent)."""
+    settle = time.monotonic() + 4.0
     while time.monotonic() < settle:
         try:
             rank, payload = results.get(timeout=0.1)
@@ -262,11 +263,8 @@ def _collect(
                     continue
                 # Give a result that is still in the pipe a moment to arrive.
                 if now - silent_since.setdefault(r, now) > 2.0:
-                    _kill(procs)
-                    raise DistributedTestError(
-                        f"{name}: rank {r} exited with code {p.exitcode} without reporting a "
-                        f"result\n--- rank {r} output ---\n{_tail(logs[r])}"
-                    ) from None
+                    # The survivors' reports (naming the dead rank) follow within moments.
+                    raise _failure(name, world_size, procs, results, logs, done, {}) from None
             continue
         status, value = pickle.loads(payload)
         if status == "error":
