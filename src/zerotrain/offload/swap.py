@@ -17,12 +17,15 @@ import errno
 import os
 import re
 import shutil
+import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -339,14 +342,82 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
+_SWAP_PREFIX = "zerotrain-swap-"
+_OPEN_DIRECTORIES: set[SwapDirectory] = set()
+_STALE_AFTER = 60.0  # seconds untouched before a dead owner's directory is swept
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def remove_stale_swap_directories(root: Path) -> list[Path]:
+    """Remove swap directories under ``root`` whose owner is gone: made on this host, in
+    this PID namespace, by a process that no longer exists (killed, SIGKILL or a crash,
+    before it could clean up), untouched for a minute. Only ``*.swp`` files and the then
+    empty directory are removed; returns the directories removed (each logged)."""
+    host, namespace = socket.gethostname(), str(_pid_namespace())
+    removed = []
+    for path in Path(root).glob(f"{_SWAP_PREFIX}{host}-*"):
+        owner = path.name[len(_SWAP_PREFIX) + len(host) + 1 :].split("-", 1)[0]
+        pid, _, ns = owner.partition(".")
+        try:
+            if not pid.isdigit() or ns != namespace or os.path.exists(f"/proc/{pid}"):
+                continue
+            if time.time() - path.stat().st_mtime < _STALE_AFTER:
+                continue
+            for swap in path.glob("*.swp"):
+                swap.unlink()
+            path.rmdir()
+        except OSError as error:
+            log.warning("could not remove the stale swap directory %s: %s", path, error)
+            continue
+        log.info("removed stale swap directory %s (its process %s is gone)", path, pid)
+        removed.append(path)
+    return removed
+
+
+def _close_open_directories_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler cancelling the job): remove the swap files, then let the
+    signal do what it did before (the default: terminate)."""
+    for directory in list(_OPEN_DIRECTORIES):
+        with contextlib.suppress(Exception):
+            directory.close()
+    signal.signal(signal.SIGTERM, _PREVIOUS_SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+_PREVIOUS_SIGTERM: Any = signal.SIG_DFL
+_SIGTERM_INSTALLED = False
+
+
+def _clean_up_on_sigterm() -> None:
+    """Install the SIGTERM clean-up once, from the main thread, in front of whatever
+    handler was there (it runs after the clean-up)."""
+    global _PREVIOUS_SIGTERM, _SIGTERM_INSTALLED
+    if _SIGTERM_INSTALLED or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN:
+        return  # the process ignores SIGTERM: nothing will end it that way
+    _PREVIOUS_SIGTERM = previous if previous is not None else signal.SIG_DFL
+    signal.signal(signal.SIGTERM, _close_open_directories_on_sigterm)
+    _SIGTERM_INSTALLED = True
+
+
 class SwapDirectory:
     """This rank's directory of swap files under ``root``.
 
-    Created as ``root/zerotrain-swap-<host>-<pid>-rank<r>-<random>/`` (the random suffix
-    keeps a stale directory of an earlier run with the same pid, common in containers, from
-    colliding). Removed on :meth:`close` and at interpreter exit if still open; only the
-    files it created and the directory itself are removed, so anything else put there
-    survives (and keeps the directory, with a warning).
+    Created as ``root/zerotrain-swap-<host>-<pid>.<pid namespace>-rank<r>-<random>/`` (the
+    random suffix keeps a stale directory of an earlier run with the same pid, common in
+    containers, from colliding). Removed on :meth:`close`, at interpreter exit if still
+    open, and on SIGTERM (a scheduler cancelling the job); only the files it created and
+    the directory itself are removed, so anything else put there survives (and keeps the
+    directory, with a warning). Directories of processes killed outright (SIGKILL) are
+    removed by the next one made under the same root (:func:`remove_stale_swap_directories`).
 
     Args:
         root: a checked offload directory (see :func:`check_nvme_path`).
@@ -358,7 +429,9 @@ class SwapDirectory:
         root = Path(root)
         if not root.is_dir():
             raise SwapError(f"rank {rank}: swap root {root} is not a directory")
-        prefix = f"zerotrain-swap-{socket.gethostname()}-{os.getpid()}-rank{rank}-"
+        remove_stale_swap_directories(root)
+        owner = f"{os.getpid()}.{_pid_namespace()}"
+        prefix = f"{_SWAP_PREFIX}{socket.gethostname()}-{owner}-rank{rank}-"
         try:
             self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
         except OSError as error:
@@ -368,11 +441,13 @@ class SwapDirectory:
         self.rank = rank
         self.io = io
         self._files: dict[str, SwapFile] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by the SIGTERM clean-up
         self._closed = False
         self._owner_pid = os.getpid()
         # A strong reference until close(): the files must outlive every region handed out.
         atexit.register(self._close_at_exit)
+        _OPEN_DIRECTORIES.add(self)
+        _clean_up_on_sigterm()
 
     def file(self, name: str) -> SwapFile:
         """The swap file ``name`` (``<name>.swp``), created on first use.
@@ -408,6 +483,7 @@ class SwapDirectory:
             self._closed = True
             files = list(self._files.values())
         atexit.unregister(self._close_at_exit)
+        _OPEN_DIRECTORIES.discard(self)
         for swap in files:
             swap.close()
             try:
