@@ -11,6 +11,8 @@ import atexit
 import datetime
 import gc
 import os
+import socket
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,74 @@ def _env_from_group(timeout: datetime.timedelta) -> DistEnv:
     return env
 
 
+def rendezvous_timeout() -> float:
+    """Seconds a rank waits for the job's store at start-up: ``ZEROTRAIN_RENDEZVOUS_TIMEOUT``,
+    else 120."""
+    raw = os.environ.get("ZEROTRAIN_RENDEZVOUS_TIMEOUT")
+    try:
+        seconds = float(raw) if raw else 120.0
+    except ValueError:
+        raise ValueError(
+            f"ZEROTRAIN_RENDEZVOUS_TIMEOUT must be a number of seconds, got {raw!r}"
+        ) from None
+    if seconds <= 0:
+        raise ValueError(f"ZEROTRAIN_RENDEZVOUS_TIMEOUT must be > 0, got {seconds}")
+    return seconds
+
+
+def _check_rendezvous() -> None:
+    """Before an ``env://`` rendezvous (not torchrun's agent store, which owns its port):
+    rank 0 checks that MASTER_PORT is free, and every other rank that a zerotrain store
+    answers there within ``rendezvous_timeout()``. Otherwise a port held by another program
+    fails rank 0 at once and leaves the others waiting for the collective timeout.
+
+    Raises:
+        RuntimeError: naming the address and port, and what to do.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    wait = rendezvous_timeout()
+    where = f"{addr}:{port}"
+    if int(os.environ["RANK"]) == 0:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # As the store sets it: a port left in TIME_WAIT by an earlier run is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            raise RuntimeError(
+                f"rank 0: cannot host the job's rendezvous store on {where}: {exc.strerror} "
+                "(another program holds the port); set MASTER_PORT to a free port on every rank"
+            ) from exc
+        finally:
+            probe.close()
+        return
+    # The store client's own timeout does not bound its handshake with a server that
+    # accepts and never answers: the probe runs on a thread the deadline abandons.
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:
+        try:
+            dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=wait))
+            outcome.append(None)
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect, name="zerotrain-rendezvous-probe", daemon=True)
+    thread.start()
+    thread.join(wait)
+    if outcome and outcome[0] is None:
+        return
+    cause = f" ({outcome[0]})" if outcome else ""
+    raise RuntimeError(
+        f"rank {os.environ['RANK']}: no rendezvous store answered on {where} within "
+        f"{wait:g} s (ZEROTRAIN_RENDEZVOUS_TIMEOUT): rank 0 did not start one there (see "
+        f"its error: the port may be held by another program, or MASTER_ADDR is wrong)"
+        f"{cause}"
+    )
+
+
 def _destroy_at_exit() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -142,6 +212,7 @@ def init_distributed(timeout: datetime.timedelta | float | None = None) -> DistE
             f"{', '.join(missing)} missing; launch with `zerotrain run` or torchrun"
         )
     if present:
+        _check_rendezvous()
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(
