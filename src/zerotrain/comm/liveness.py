@@ -21,6 +21,7 @@ stopped falls silent. Process ids still serve the messages (on the same PID name
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -84,6 +85,7 @@ class _Beater:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        self._stop = threading.Event()
 
     def add(self, target: Tickable) -> None:
         with self._lock:
@@ -99,13 +101,26 @@ class _Beater:
         if self._pid != os.getpid():  # a forked child: the parent's thread is not ours
             self.__init__()  # type: ignore[misc]
         if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
             self._thread = threading.Thread(
                 target=self._run, name="zerotrain-heartbeat", daemon=True
             )
             self._thread.start()
+            # Stopped before the interpreter finalises: a daemon thread caught inside the
+            # store's C++ client while static destructors run aborts the process
+            # ("terminate called without an active exception").
+            atexit.unregister(self.stop)
+            atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """End the thread (at exit; idempotent)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
 
     def _run(self) -> None:
-        while True:
+        while not self._stop.is_set():
             with self._lock:
                 targets = list(self._ticks)
                 store = self._store
@@ -114,7 +129,7 @@ class _Beater:
             if store is not None:
                 with contextlib.suppress(Exception):  # the store's host may be gone
                     store[0].add(store[1], 1)
-            time.sleep(INTERVAL)
+            self._stop.wait(INTERVAL)
 
 
 class Tickable:
