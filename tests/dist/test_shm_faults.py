@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotrain.comm import shm
+from zerotrain.comm import liveness, shm
 from zerotrain.comm.collectives import CollectiveError, Communicator
 from zerotrain.testing.dist import DistributedTestError, run_distributed
 
@@ -44,7 +44,7 @@ def test_a_rank_dying_during_the_arena_set_up_leaves_no_segment():
 
 def test_segments_of_dead_creators_are_swept():
     dead_pid = 2**22 + 12345  # above pid_max's default: no such process
-    namespace = shm.process_tag().split(".")[1]
+    namespace = liveness.process_tag().split(".")[1]
     name = shm.stale_sweepable_name(f"{dead_pid}.{namespace}", os.urandom(4).hex())
     elsewhere = shm.stale_sweepable_name(f"{dead_pid}.1", os.urandom(4).hex())
     old = time.time() - 3600

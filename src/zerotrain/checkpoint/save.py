@@ -27,9 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import socket
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +48,7 @@ from zerotrain.checkpoint.merge import merge_indexes, write_index
 from zerotrain.checkpoint.plan import build_plan
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
 from zerotrain.checkpoint.state import TrainState
-from zerotrain.comm.agreement import disagreements, failed_ranks
+from zerotrain.comm.agreement import disagreements, failed_ranks, filesystem_needs
 from zerotrain.comm.collectives import Communicator
 from zerotrain.utils.logging import get_logger
 
@@ -106,19 +104,13 @@ def _check_space(comm: Communicator, path: Path, needed: int) -> OSError | None:
     """Collective: whether the ranks writing to ``path``'s filesystem on this host fit in
     its free space; the error to raise (ENOSPC, naming path, bytes needed and free), if not.
     """
-    host = float(zlib.crc32(socket.gethostname().encode()))
-    device = float(os.stat(path).st_dev)
-    row = [0.0] * (3 * comm.world_size)
-    row[3 * comm.rank : 3 * comm.rank + 3] = [host, device, float(needed)]
-    every = comm.all_reduce_floats(row)
-    sharing = [r for r in range(comm.world_size) if every[3 * r : 3 * r + 2] == [host, device]]
-    total = int(sum(every[3 * r + 2] for r in sharing))
+    total, sharing = filesystem_needs(comm, {path: needed})[path]
     free = shutil.disk_usage(path).free
     if total <= free:
         return None
     return OSError(
         errno.ENOSPC,
-        f"no space left on device for checkpoint {path}: the {len(sharing)} rank(s) writing "
+        f"no space left on device for checkpoint {path}: the {sharing} rank(s) writing "
         f"to this filesystem need {total:,} bytes ({total / 2**20:.1f} MiB), "
         f"{free:,} bytes ({free / 2**20:.1f} MiB) are free; free space or save elsewhere",
     )

@@ -11,7 +11,11 @@ values' text, so the error can say "'optimizer.params.lr': rank 0 has 0.001, ran
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import os
+import socket
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -71,6 +75,35 @@ def failed_ranks(comm: Communicator, failed: bool) -> list[int]:
     if comm.world_size > 1:
         comm.all_reduce(flags, purpose="control")
     return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+
+def filesystem_needs(comm: Communicator, needs: Mapping[Path, int]) -> dict[Path, tuple[int, int]]:
+    """For each of this rank's paths: the bytes every rank will write to that filesystem
+    of this machine, and how many ranks those are (collective: every rank calls it; one
+    small all-reduce). Ranks share a filesystem when host name and device are equal, so
+    the sum is what that disk must have free."""
+    world, paths = comm.world_size, sorted(needs)
+    # One sum-reduction of one-hot rows is an all-gather of (filesystem key, bytes).
+    table = [0.0] * (2 * world * max(1, len(paths)))
+    keys = [_filesystem_key(path) for path in paths]
+    for k, path in enumerate(paths):
+        row = 2 * (k * world + comm.rank)
+        table[row], table[row + 1] = keys[k], float(needs[path])
+    totals = comm.all_reduce_floats(table)
+    found = {}
+    for k, path in enumerate(paths):
+        rows = [
+            (totals[2 * (k * world + r)], totals[2 * (k * world + r) + 1]) for r in range(world)
+        ]
+        sharing = [need for key, need in rows if key == keys[k]]
+        found[path] = (int(sum(sharing)), len(sharing))
+    return found
+
+
+def _filesystem_key(path: Path) -> float:
+    """Equal on ranks whose ``path`` is on the same filesystem of the same machine."""
+    device = os.stat(path).st_dev if path.exists() else -1
+    return float(zlib.crc32(f"{socket.gethostname()}:{device}".encode()) + 1)
 
 
 def _describe(items: Sequence[tuple[str, str]], k: int) -> tuple[str, str]:

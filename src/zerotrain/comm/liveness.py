@@ -76,6 +76,28 @@ def pid_namespace() -> int:
         return 0
 
 
+def process_tag() -> str:
+    """This process as names of what it leaves on disk or in /dev/shm carry it:
+    ``PID.NAMESPACE`` (the PID namespace's inode: a process id means something only inside
+    its namespace), so that leftovers of a killed process can be recognised later."""
+    return f"{os.getpid()}.{pid_namespace()}"
+
+
+def tag_owner(tag: str) -> int | None:
+    """The process id in ``tag`` (a :func:`process_tag`) when it is from this PID
+    namespace; None otherwise (another namespace's ids mean nothing here)."""
+    pid, _, namespace = tag.partition(".")
+    if not pid.isdigit() or namespace != str(pid_namespace()):
+        return None
+    return int(pid)
+
+
+def tag_owner_gone(tag: str) -> bool:
+    """Whether ``tag``'s process is known to be gone: from this namespace, no ``/proc``."""
+    pid = tag_owner(tag)
+    return pid is not None and not os.path.exists(f"/proc/{pid}")
+
+
 class _Beater:
     """The process's heartbeat thread and what it ticks."""
 

@@ -88,47 +88,28 @@ def host_identity() -> str:
 _SEGMENT_PREFIX = "zerotrain-"
 
 
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def process_tag() -> str:
-    """This process as segment names carry it: ``PID.NAMESPACE`` (the PID namespace's inode:
-    a process id means something only inside its namespace)."""
-    return f"{os.getpid()}.{_pid_namespace()}"
-
-
 def stale_sweepable_name(creator: str, rest: str) -> str:
-    """A segment name that carries its creator's :func:`process_tag`, so that a segment
+    """A segment name that carries its creator's ``liveness.process_tag()``, so that a segment
     whose creator died before removing the name can be recognised and removed later."""
     return f"{_SEGMENT_PREFIX}{creator}-{rest}"
 
 
 def segment_name() -> str:
     """A new arena's name (created by this process)."""
-    return stale_sweepable_name(process_tag(), uuid.uuid4().hex[:16])
+    return stale_sweepable_name(liveness.process_tag(), uuid.uuid4().hex[:16])
 
 
-def _dead_creator(name: str) -> bool:
-    """Whether ``name``'s creator is known to be gone: its tag is from this PID namespace
-    and no such process exists."""
-    pid, _, namespace = name[len(_SEGMENT_PREFIX) :].split("-", 1)[0].partition(".")
-    if not pid.isdigit() or namespace != str(_pid_namespace()):
-        return False
-    return not os.path.exists(f"/proc/{pid}")
+def _creator(name: str) -> str:
+    """The creator's process tag in a segment's name."""
+    return name[len(_SEGMENT_PREFIX) :].split("-", 1)[0]
 
 
 def remove_segments_of(pids: set[int], root: str = "/dev/shm") -> list[str]:
     """Remove the segments created by ``pids`` (processes of this PID namespace that are
     known to have ended: a launcher's or a test harness's workers); returns their names."""
-    namespace = str(_pid_namespace())
     removed = []
     for name in _names(root):
-        pid, _, ns = name[len(_SEGMENT_PREFIX) :].split("-", 1)[0].partition(".")
-        if ns == namespace and pid.isdigit() and int(pid) in pids:
+        if liveness.tag_owner(_creator(name)) in pids:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(root, name))
                 removed.append(name)
@@ -152,7 +133,7 @@ def remove_stale_segments(root: str = "/dev/shm") -> list[str]:
     for name in _names(root):
         path = os.path.join(root, name)
         try:
-            if not _dead_creator(name):
+            if not liveness.tag_owner_gone(_creator(name)):
                 continue
             if time.time() - os.stat(path).st_mtime < 60:
                 continue

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from zerotrain.comm import shm
+from zerotrain.comm import liveness, shm
 from zerotrain.comm.shm_p2p import PairSettings, ShmPairs
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -59,7 +59,7 @@ def open_group_arena(
         os.getpid(),
         uuid.uuid4().hex[:16],
         pair_settings,
-        shm.process_tag(),
+        liveness.process_tag(),
     )
     infos: list[_Info | None] = [None] * world_size
     dist.all_gather_object(infos, mine, group=group)

@@ -286,7 +286,7 @@ class ShmPairs:
         rank / world_size: this rank's place in the group.
         token: a name prefix every rank of the group agreed on (unique per communicator).
         pids: every group rank's process id.
-        tags: every group rank's ``shm.process_tag()`` (segment names carry the creator's).
+        tags: every group rank's ``liveness.process_tag()`` (segment names carry the creator's).
         local: for every group rank, whether it shares this machine (and shared memory).
         settings: channel sizes and the threshold (the same on every rank).
         timeout: seconds a peer may stay still before it is reported.

@@ -70,10 +70,16 @@ def sequence_seed_offset(groups: ProcessGroups) -> int:
     return _SEQUENCE_SEED_STRIDE * groups.sequence.rank
 
 
-def distinct_random_streams(groups: ProcessGroups, device: torch.device) -> None:
-    """Reseed the default generators of sequence ranks above 0 from the job's seed (world
-    rank 0's) plus their offset; sequence rank 0 keeps its state."""
+def job_seed(groups: ProcessGroups, device: torch.device) -> int:
+    """The job's seed: world rank 0's initial seed, on every rank (collective)."""
     seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64, device=device)
     broadcast_tensors(groups.world, [seed], 1, src=0)
+    return int(seed.item())
+
+
+def distinct_random_streams(groups: ProcessGroups, device: torch.device) -> None:
+    """Reseed the default generators of sequence ranks above 0 from the job's seed plus
+    their offset; sequence rank 0 keeps its state."""
+    seed = job_seed(groups, device)
     if groups.sequence.rank > 0:
-        torch.manual_seed(int(seed.item()) + sequence_seed_offset(groups))
+        torch.manual_seed(seed + sequence_seed_offset(groups))

@@ -16,7 +16,7 @@ from torch import nn
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.config.optim_params import canonical_optimizer
 from zerotrain.config.schema import ZeroTrainConfig
-from zerotrain.engine.sequence_setup import sequence_seed_offset
+from zerotrain.engine.sequence_setup import job_seed, sequence_seed_offset
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.tensor import (
     TensorParallelRNG,
@@ -107,12 +107,11 @@ def split_model(
     tensor = groups.tensor
     check_heads(model, tensor.world_size)
     _same_random_state(groups, device)
-    seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64, device=device)
-    broadcast_tensors(groups.world, [seed], _BROADCAST_NUMEL, src=0)
+    seed = job_seed(groups, device)
     sequence_parallel = cfg.tensor_parallel is not None and cfg.tensor_parallel.sequence_parallel
     applied = parallelize(model, plan, tensor, sequence_parallel=sequence_parallel)
     # Ulysses ranks hold other heads: their region streams differ too.
-    attach_rng(model, TensorParallelRNG(tensor, int(seed.item()) + sequence_seed_offset(groups)))
+    attach_rng(model, TensorParallelRNG(tensor, seed + sequence_seed_offset(groups)))
     split = tensor_splits(model)
     whole = [p for n, p in model.named_parameters() if n not in split]
     log.info(

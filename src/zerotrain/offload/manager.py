@@ -12,16 +12,13 @@ reports where memory is, and removes its files on ``close()``.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zerotrain.comm.agreement import failed_ranks
+from zerotrain.comm.agreement import failed_ranks, filesystem_needs
 from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import OffloadPolicy, PrecisionPolicy
 from zerotrain.offload.aio import AsyncFileIO
@@ -168,24 +165,9 @@ class Offload:
         """Every rank checks its paths against what all ranks sharing the filesystem need;
         if any rank's check fails, every rank raises (none is left waiting)."""
         problem = ""
-        world = self.comm.world_size
-        # One sum-reduction of one-hot rows is an all-gather of (filesystem key, bytes).
-        keys = sorted(needs)
-        table = torch.zeros(2 * world * max(1, len(keys)), dtype=torch.float64)
-        device_keys: list[float] = []
-        for k, root in enumerate(keys):
-            key = self._filesystem_key(root)
-            device_keys.append(key)
-            row = 2 * (k * world + self.comm.rank)
-            table[row], table[row + 1] = key, float(needs[root])
-        totals = self.comm.all_reduce_floats(table.tolist())
-        for k, root in enumerate(keys):
-            rows = [
-                (totals[2 * (k * world + r)], totals[2 * (k * world + r) + 1]) for r in range(world)
-            ]
-            shared = sum(need for key, need in rows if key == device_keys[k])
+        for root, (shared, _) in filesystem_needs(self.comm, needs).items():
             try:
-                check_nvme_path(root, int(shared) + _SLACK_BYTES, what[root])
+                check_nvme_path(root, shared + _SLACK_BYTES, what[root])
             except SwapError as error:
                 problem = str(error)
                 break
@@ -196,13 +178,6 @@ class Offload:
             raise SwapError(
                 f"rank(s) {failed} found their offload nvme_path unusable (see their errors)"
             )
-
-    @staticmethod
-    def _filesystem_key(root: Path) -> float:
-        """Equal on ranks whose ``root`` is on the same filesystem of the same machine."""
-        device = os.stat(root).st_dev if root.exists() else -1
-        text = f"{socket.gethostname()}:{device}".encode()
-        return float(zlib.crc32(text) + 1)
 
     @property
     def param_read_ahead(self) -> int:

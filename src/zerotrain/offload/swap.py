@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zerotrain.comm import liveness
 from zerotrain.offload.aio import ALIGNMENT, AsyncFileIO, IOFuture, SwapError
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import format_bytes
@@ -347,25 +348,17 @@ _OPEN_DIRECTORIES: set[SwapDirectory] = set()
 _STALE_AFTER = 60.0  # seconds untouched before a dead owner's directory is swept
 
 
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 def remove_stale_swap_directories(root: Path) -> list[Path]:
     """Remove swap directories under ``root`` whose owner is gone: made on this host, in
     this PID namespace, by a process that no longer exists (killed, SIGKILL or a crash,
     before it could clean up), untouched for a minute. Only ``*.swp`` files and the then
     empty directory are removed; returns the directories removed (each logged)."""
-    host, namespace = socket.gethostname(), str(_pid_namespace())
+    host = socket.gethostname()
     removed = []
     for path in Path(root).glob(f"{_SWAP_PREFIX}{host}-*"):
         owner = path.name[len(_SWAP_PREFIX) + len(host) + 1 :].split("-", 1)[0]
-        pid, _, ns = owner.partition(".")
         try:
-            if not pid.isdigit() or ns != namespace or os.path.exists(f"/proc/{pid}"):
+            if not liveness.tag_owner_gone(owner):
                 continue
             if time.time() - path.stat().st_mtime < _STALE_AFTER:
                 continue
@@ -375,7 +368,7 @@ def remove_stale_swap_directories(root: Path) -> list[Path]:
         except OSError as error:
             log.warning("could not remove the stale swap directory %s: %s", path, error)
             continue
-        log.info("removed stale swap directory %s (its process %s is gone)", path, pid)
+        log.info("removed stale swap directory %s (its process %s is gone)", path, owner)
         removed.append(path)
     return removed
 
@@ -430,8 +423,7 @@ class SwapDirectory:
         if not root.is_dir():
             raise SwapError(f"rank {rank}: swap root {root} is not a directory")
         remove_stale_swap_directories(root)
-        owner = f"{os.getpid()}.{_pid_namespace()}"
-        prefix = f"{_SWAP_PREFIX}{socket.gethostname()}-{owner}-rank{rank}-"
+        prefix = f"{_SWAP_PREFIX}{socket.gethostname()}-{liveness.process_tag()}-rank{rank}-"
         try:
             self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
         except OSError as error:

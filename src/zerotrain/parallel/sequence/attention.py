@@ -127,6 +127,39 @@ def to_sequence(
     return all_to_all_along(x, comm, seq_dim, head_dim, gather_sizes=heads, scatter_sizes=lengths)
 
 
+def gather_heads(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    comm: Communicator,
+    head_dim: int,
+    seq_dim: int,
+    where: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadSplit, list[int]]:
+    """q, k and v of this rank's slice of the sequence -> the whole sequence with this
+    rank's heads (key/value heads repeated as :func:`split_heads` says); also returns the
+    split and every rank's length, which :func:`to_sequence` needs on the way back.
+
+    Raises:
+        ValueError: head counts that cannot be split (naming ``where``).
+    """
+    split = split_heads(query.shape[head_dim], key.shape[head_dim], comm.world_size, where)
+    lengths = sequence_lengths(comm, query.shape[seq_dim], query.device)
+    q = to_heads(query, comm, head_dim, seq_dim, split.query, lengths)
+    k, v = (
+        to_heads(
+            t.repeat_interleave(split.kv_repeat, dim=head_dim),
+            comm,
+            head_dim,
+            seq_dim,
+            split.key_value,
+            lengths,
+        )
+        for t in (key, value)
+    )
+    return q, k, v, split, lengths
+
+
 class DistributedAttention(nn.Module):
     """Run ``local_attention`` on whole sequences with a slice of the heads.
 
@@ -165,21 +198,8 @@ class DistributedAttention(nn.Module):
                 f"DistributedAttention: key has {key.shape[heads_at]} heads and value "
                 f"{value.shape[heads_at]} along dimension {heads_at}; they must be equal"
             )
-        split = split_heads(
-            query.shape[heads_at], key.shape[heads_at], self.comm.world_size, "DistributedAttention"
-        )
-        lengths = sequence_lengths(self.comm, query.shape[seq_at], query.device)
-        q = to_heads(query, self.comm, heads_at, seq_at, split.query, lengths)
-        k, v = (
-            to_heads(
-                t.repeat_interleave(split.kv_repeat, dim=heads_at),
-                self.comm,
-                heads_at,
-                seq_at,
-                split.key_value,
-                lengths,
-            )
-            for t in (key, value)
+        q, k, v, split, lengths = gather_heads(
+            query, key, value, self.comm, heads_at, seq_at, "DistributedAttention"
         )
         context = self.local_attention(q, k, v, *args, **kwargs)
         return to_sequence(context, self.comm, heads_at, seq_at, split.query, lengths)

@@ -25,12 +25,7 @@ import torch
 from torch import nn
 
 from zerotrain.comm.collectives import Communicator
-from zerotrain.parallel.sequence.attention import (
-    sequence_lengths,
-    split_heads,
-    to_heads,
-    to_sequence,
-)
+from zerotrain.parallel.sequence.attention import gather_heads, to_sequence
 
 _names = count()
 
@@ -71,15 +66,7 @@ def _routed(local: Callable[..., Any], comm: Communicator) -> Callable[..., Any]
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         # transformers: q, k, v are [b, h, s, d]; the context comes back as [b, s, h, d].
-        split = split_heads(query.shape[1], key.shape[1], comm.world_size, type(module).__name__)
-        lengths = sequence_lengths(comm, query.shape[2], query.device)
-        q = to_heads(query, comm, 1, 2, split.query, lengths)
-        k, v = (
-            to_heads(
-                t.repeat_interleave(split.kv_repeat, dim=1), comm, 1, 2, split.key_value, lengths
-            )
-            for t in (key, value)
-        )
+        q, k, v, split, lengths = gather_heads(query, key, value, comm, 1, 2, type(module).__name__)
         saved = getattr(module, "num_key_value_groups", None)
         module.num_key_value_groups = split.groups[comm.rank]  # type: ignore[assignment]
         try:
