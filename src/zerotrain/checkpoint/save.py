@@ -49,7 +49,7 @@ from zerotrain.checkpoint.plan import build_plan
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
 from zerotrain.checkpoint.state import TrainState
 from zerotrain.comm.agreement import disagreements, failed_ranks, filesystem_needs
-from zerotrain.comm.collectives import Communicator
+from zerotrain.comm.collectives import CollectiveError, Communicator
 from zerotrain.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -201,11 +201,13 @@ def _write_rank(state: TrainState, partial: Path) -> None:
 def _agree_or_discard(
     comm: Communicator, error: BaseException | None, what: str, partial: Path, leader: bool
 ) -> None:
-    """``agree``; when the save failed, the leader removes the partial directory first."""
+    """``agree``; when the save failed, the leader removes the partial directory first.
+    When the agreement itself failed (a rank died or stopped answering: maybe the leader),
+    every surviving rank removes it."""
     try:
         agree(comm, error, what)
-    except BaseException:
-        if leader and partial.exists():
+    except BaseException as exc:
+        if (leader or isinstance(exc, CollectiveError)) and partial.exists():
             shutil.rmtree(partial, ignore_errors=True)
             log.info("removed the incomplete checkpoint directory %s", partial)
         raise

@@ -104,15 +104,19 @@ def _creator(name: str) -> str:
     return name[len(_SEGMENT_PREFIX) :].split("-", 1)[0]
 
 
+def segments_of(pids: set[int], root: str = "/dev/shm") -> list[str]:
+    """The names of the segments created by ``pids`` (processes of this PID namespace)."""
+    return [name for name in _names(root) if liveness.tag_owner(_creator(name)) in pids]
+
+
 def remove_segments_of(pids: set[int], root: str = "/dev/shm") -> list[str]:
     """Remove the segments created by ``pids`` (processes of this PID namespace that are
     known to have ended: a launcher's or a test harness's workers); returns their names."""
     removed = []
-    for name in _names(root):
-        if liveness.tag_owner(_creator(name)) in pids:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(root, name))
-                removed.append(name)
+    for name in segments_of(pids, root):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(root, name))
+            removed.append(name)
     return removed
 
 
@@ -160,6 +164,8 @@ class ShmArena(liveness.Tickable):
         rank / world_size: this rank's place.
         create: create the segment (rank 0) instead of opening it.
         timeout: how long any wait may last.
+        global_ranks: the job's number of each rank of the group (for messages; default:
+            the group's own numbers).
     """
 
     def __init__(
@@ -170,9 +176,11 @@ class ShmArena(liveness.Tickable):
         create: bool,
         timeout: datetime.timedelta | None,
         slot_bytes: int = SLOT_BYTES,
+        global_ranks: Sequence[int] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(world_size))
         self.slot_bytes = slot_bytes
         self.timeout = (timeout or datetime.timedelta(seconds=600)).total_seconds()
         notes = 2 * _NOTE * world_size
@@ -297,13 +305,17 @@ class ShmArena(liveness.Tickable):
                 self._check_peers(generation, what)
                 next_check = now + 0.5
                 if now >= deadline:
-                    raise ShmPeerError(self._late_message(generation, what, "did not arrive"))
+                    late = [p for p in range(self.world_size) if counters[p] < generation]
+                    raise ShmPeerError(self._late_message(what, late, "did not arrive"))
 
     def _check_peers(self, generation: int, what: str) -> None:
         """Raise if a late peer is gone: exited or a zombie (seen through ``/proc`` when it
         shares this PID namespace), or silent, its heartbeat standing still for
-        ``ZEROTRAIN_HEARTBEAT_TIMEOUT`` seconds (any namespace; also a stopped process)."""
+        ``ZEROTRAIN_HEARTBEAT_TIMEOUT`` seconds (any namespace; also a stopped process).
+        Only those peers are named: others may merely be late, waiting on them."""
         now = time.monotonic()
+        exited: list[int] = []
+        silent: dict[int, tuple[float, str]] = {}
         for peer in range(self.world_size):
             if self._control[peer, 0] >= generation:
                 continue
@@ -315,22 +327,30 @@ class ShmArena(liveness.Tickable):
                 else "in another PID namespace"
             )
             if state == "exited" or state.startswith("a zombie"):
-                raise ShmPeerError(self._late_message(generation, what, "exited"))
+                exited.append(peer)
+                continue
             heard = self._heard.get(peer)
             if heard is None or heard[0] != beat:
                 self._heard[peer] = (beat, now)
             elif now - heard[1] >= self._silence:
-                verb = (
-                    f"stopped answering (no heartbeat for {now - heard[1]:.0f} s; the "
-                    f"process is {state}; ZEROTRAIN_HEARTBEAT_TIMEOUT={self._silence:g})"
-                )
-                raise ShmPeerError(self._late_message(generation, what, verb))
+                silent[peer] = (now - heard[1], state)
+        if exited:
+            raise ShmPeerError(self._late_message(what, exited, "exited"))
+        if silent:
+            quiet = max(seconds for seconds, _ in silent.values())
+            states = ", ".join(sorted({state for _, state in silent.values()}))
+            verb = (
+                f"stopped answering (no heartbeat for {quiet:.0f} s; the process is {states}; "
+                f"ZEROTRAIN_HEARTBEAT_TIMEOUT={self._silence:g})"
+            )
+            raise ShmPeerError(self._late_message(what, list(silent), verb))
 
-    def _late_message(self, generation: int, what: str, verb: str) -> str:
-        late = [p for p in range(self.world_size) if self._control[p, 0] < generation]
+    def _late_message(self, what: str, peers: list[int], verb: str) -> str:
+        """Names ``peers`` by their global ranks (the job's numbering, as in any log)."""
+        named = [self.global_ranks[p] for p in peers]
         return (
-            f"rank {self.rank}: rank(s) {late} {verb} during a shared-memory {what} "
-            f"(waited up to {self.timeout:.0f} s)"
+            f"rank {self.global_ranks[self.rank]}: rank(s) {named} {verb} during a "
+            f"shared-memory {what} (waited up to {self.timeout:.0f} s)"
         )
 
 

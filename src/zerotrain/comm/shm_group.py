@@ -86,6 +86,7 @@ def open_group_arena(
                 create,
                 timeout,
                 slot_bytes,
+                global_ranks=[to_global(r) for r in range(world_size)],
             )
         except OSError as err:
             log.warning("rank %d: shared-memory collectives unavailable (%s)", rank, err)

@@ -15,6 +15,8 @@ well under a second. The rendezvous store is created by the parent on a free por
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -27,7 +29,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerotrain.comm import shm
+from zerotrain.comm import liveness, shm
 
 _LOG_TAIL_CHARS = 4000
 
@@ -93,7 +95,7 @@ def _worker(
         payload = pickle.dumps(outcome)
     except Exception:
         payload = pickle.dumps(("error", "result is not picklable:\n" + traceback.format_exc()))
-    results.put((rank, payload))
+    results.put((rank, payload, time.time()))
     if dist.is_initialized():
         dist.destroy_process_group()
     os.close(log_fd)
@@ -108,16 +110,17 @@ def _tail(path: str) -> str:
     return text[-_LOG_TAIL_CHARS:] if text.strip() else "<no output>"
 
 
-def _kill(procs: Sequence[BaseProcess]) -> None:
-    """Stop the ranks, and remove the shared-memory segments they created and could not
-    (a rank ends with ``os._exit``, or was killed, before its finalizers run)."""
+def _kill(procs: Sequence[BaseProcess], sweep: bool = True) -> None:
+    """Stop the ranks, and (``sweep``) remove the shared-memory segments they created and
+    could not (a rank ends with ``os._exit``, or was killed, before its finalizers run)."""
     started = [p for p in procs if p.pid is not None]
     for p in started:
         if p.is_alive():
             p.kill()
     for p in started:
         p.join(timeout=5)
-    shm.remove_segments_of({p.pid for p in started if p.pid is not None and not p.is_alive()})
+    if sweep:
+        shm.remove_segments_of({p.pid for p in started if p.pid is not None and not p.is_alive()})
 
 
 def run_distributed(
@@ -151,6 +154,23 @@ def run_distributed(
         DistributedTestError: a rank raised (its traceback is in the message), died, or the
             job did not finish within ``timeout``.
     """
+    with _job(fn, world_size, args, kwargs, timeout, comm_timeout, env) as (procs, results, logs):
+        return _collect(procs, results, logs, world_size, timeout, fn)
+
+
+@contextlib.contextmanager
+def _job(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    comm_timeout: float | None,
+    env: dict[str, str] | None,
+    sweep: bool = True,
+) -> Iterator[tuple[list[BaseProcess], Any, list[str]]]:
+    """Start ``world_size`` ranks running ``fn``; on exit kill what is left and remove the
+    logs (and, with ``sweep``, the shared-memory segments of the ranks)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()
@@ -180,9 +200,9 @@ def run_distributed(
     try:
         for p in procs:
             p.start()
-        return _collect(procs, results, logs, world_size, timeout, fn)
+        yield procs, results, logs
     finally:
-        _kill(procs)
+        _kill(procs, sweep=sweep)
         del store
         shutil.rmtree(log_dir, ignore_errors=True)
 
@@ -202,7 +222,7 @@ def _failure(
     settle = time.monotonic() + 4.0
     while time.monotonic() < settle:
         try:
-            rank, payload = results.get(timeout=0.1)
+            rank, payload, _ = results.get(timeout=0.1)
         except queue.Empty:
             continue
         status, value = pickle.loads(payload)
@@ -255,7 +275,7 @@ def _collect(
                 f"(hung in a collective or a loop?)\n{details}"
             )
         try:
-            rank, payload = results.get(timeout=min(0.2, remaining))
+            rank, payload, _ = results.get(timeout=min(0.2, remaining))
         except queue.Empty:
             now = time.monotonic()
             for r, p in enumerate(procs):
@@ -273,3 +293,112 @@ def _collect(
     for p in procs:
         p.join(timeout=10)
     return [done[r] for r in range(world_size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of :func:`run_to_the_end` ended.
+
+    ``status`` is "ok" (``value`` is its result), "error" (``value`` is its traceback),
+    "died" (ended without reporting: killed, crashed), "stopped" (SIGSTOP) or "hung"
+    (still running at the deadline). ``reported_at`` is the ``time.time()`` of its report;
+    ``exited`` whether its process had ended by itself before the harness killed what was
+    left.
+    """
+
+    rank: int
+    status: str
+    value: Any = None
+    reported_at: float | None = None
+    exited: bool = False
+    exitcode: int | None = None
+    output: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOutcome:
+    """Every rank's :class:`RankOutcome`, and the shared-memory segments the ranks created
+    and left in /dev/shm (found before the harness removed them)."""
+
+    ranks: list[RankOutcome]
+    leftover_segments: list[str]
+
+
+def run_to_the_end(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    comm_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    exit_grace: float = 10.0,
+    **kwargs: Any,
+) -> JobOutcome:
+    """Run ``fn`` like :func:`run_distributed`, for jobs in which ranks are expected to fail
+    (fault injection): never raise for a rank's error, wait until every rank has reported,
+    died or been stopped (or ``timeout`` passed: those still running are "hung", with their
+    stacks in ``output``), then give each rank that reported ``exit_grace`` seconds to end
+    by itself, and say what each did.
+
+    Returns:
+        A :class:`JobOutcome`.
+    """
+    with _job(fn, world_size, args, kwargs, timeout, comm_timeout, env, sweep=False) as job:
+        procs, results, logs = job
+        outcomes = _await_all(procs, results, world_size, timeout)
+        _await_exits(procs, outcomes, exit_grace)
+        hung = [r for r, o in outcomes.items() if o.status == "hung"]
+        for r in hung:
+            os.kill(procs[r].pid, signal.SIGUSR1)  # type: ignore[arg-type]
+        if hung:
+            time.sleep(1.0)
+        ranks = [dataclasses.replace(outcomes[r], output=_tail(logs[r])) for r in range(world_size)]
+        _kill(procs, sweep=False)
+        pids = {p.pid for p in procs if p.pid is not None}
+        left = shm.segments_of(pids)
+        shm.remove_segments_of(pids)
+    return JobOutcome(ranks, left)
+
+
+def _await_all(
+    procs: Sequence[BaseProcess], results: Any, world_size: int, timeout: float
+) -> dict[int, RankOutcome]:
+    """Collect reports until every rank reported, died or is stopped, or ``timeout``."""
+    outcomes: dict[int, RankOutcome] = {}
+    deadline = time.monotonic() + timeout
+    gone_since: dict[int, float] = {}
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        try:
+            rank, payload, at = results.get(timeout=0.1)
+            status, value = pickle.loads(payload)
+            outcomes[rank] = RankOutcome(rank, status, value, reported_at=at)
+            continue
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if r in outcomes:
+                continue
+            if not p.is_alive():
+                # A result still in the pipe arrives within moments of the exit.
+                if now - gone_since.setdefault(r, now) > 1.0:
+                    outcomes[r] = RankOutcome(r, "died", exitcode=p.exitcode, exited=True)
+            elif liveness.process_state(p.pid).startswith("stopped"):  # type: ignore[arg-type]
+                outcomes[r] = RankOutcome(r, "stopped")
+    for r in range(world_size):
+        outcomes.setdefault(r, RankOutcome(r, "hung"))
+    return outcomes
+
+
+def _await_exits(
+    procs: Sequence[BaseProcess], outcomes: dict[int, RankOutcome], grace: float
+) -> None:
+    """Give the ranks that reported ``grace`` seconds to end by themselves."""
+    deadline = time.monotonic() + grace
+    for r, outcome in outcomes.items():
+        if outcome.status in ("ok", "error"):
+            procs[r].join(timeout=max(0.0, deadline - time.monotonic()))
+            if not procs[r].is_alive():
+                outcomes[r] = dataclasses.replace(
+                    outcome, exited=True, exitcode=procs[r].exitcode
+                )
