@@ -126,6 +126,29 @@ def test_resume_continues_bitwise(tmp_path: Path, stage: int, precision: str | N
     assert read_latest(tmp_path).tag == "global_step10"
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["Lamb", "SGD"])
+def test_resume_continues_bitwise_with_other_optimizers(
+    tmp_path: Path, stage: int, optimizer: str
+) -> None:
+    # LAMB's param groups carry each rank's own parameter segments (its trust ratios are
+    # per parameter): loading must keep this rank's, not take the saving rank 0's.
+    params = {"lr": 1e-3, "weight_decay": 0.01}
+    if optimizer == "SGD":
+        params = {"lr": 0.05, "momentum": 0.9}
+    spec = RunSpec(
+        stage=stage,
+        model=DROPOUT,
+        micro_batch=2,
+        grad_accum=2,
+        optimizer=optimizer,
+        opt_params=params,
+    )
+    uninterrupted = run_distributed(_train_save_train, 2, spec, None, str(tmp_path))
+    resumed = run_distributed(_load_train, 2, spec, None, str(tmp_path))
+    assert resumed[0]["losses"] == uninterrupted[0]
+
+
 def test_resume_fp16_continues_bitwise_with_its_loss_scale(tmp_path: Path) -> None:
     spec = RunSpec(stage=2, model=DROPOUT, micro_batch=2, grad_accum=2)
     uninterrupted = run_distributed(_train_save_train, 2, spec, "fp16", str(tmp_path))

@@ -32,6 +32,7 @@ from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.save import agree, check_same_directory
 from zerotrain.checkpoint.state import Counters, TrainState
 from zerotrain.config.policies import DTYPE_BY_NAME
+from zerotrain.optim.base import GROUP_LAYOUT_KEYS
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 
@@ -273,6 +274,8 @@ def _load_optimizer(state: TrainState, reader: CheckpointReader) -> None:
             optimizer.state.pop(slot.tensor, None)
     for group, saved in zip(optimizer.param_groups, info.groups, strict=True):
         for key, value in saved.items():
+            if key in GROUP_LAYOUT_KEYS:
+                continue  # this rank's own layout (saved by older versions: rank 0's)
             current = group.get(key)
             if isinstance(current, torch.Tensor):
                 current.fill_(value)

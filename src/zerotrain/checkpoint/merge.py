@@ -29,6 +29,7 @@ from zerotrain.checkpoint.plan import ShardPlan
 from zerotrain.checkpoint.safetensors_io import file_crc32
 from zerotrain.checkpoint.state import TrainState
 from zerotrain.config.policies import short_dtype_name
+from zerotrain.optim.base import GROUP_LAYOUT_KEYS
 
 
 def index_file(rank: int) -> str:
@@ -156,7 +157,10 @@ def merge_indexes(state: TrainState, partial: Path, tag: str, has_client_state: 
         else {
             "type": type(optimizer).__name__,
             "groups": [
-                to_json({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
+                to_json(
+                    {k: v for k, v in g.items() if k not in GROUP_LAYOUT_KEYS},
+                    f"param group {i}",
+                )
                 for i, g in enumerate(optimizer.param_groups)
             ],
             "scalars": scalars,

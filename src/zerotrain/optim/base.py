@@ -11,6 +11,11 @@ from typing import Any
 
 import torch
 
+#: Param-group entries that describe this rank's own flat tensors (which pieces it holds, and
+#: where each parameter sits in them), not hyperparameters: checkpoints neither save nor
+#: restore them, since every rank of every layout has its own.
+GROUP_LAYOUT_KEYS = frozenset({"params", "segments", "num_ids"})
+
 
 class FlatOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose parameters are flat tensors.
