@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -121,6 +122,37 @@ def test_dead_peer_is_named_at_once(tmp_path):
         "in recv of activations [mb2] ((50000,) float32, 200000 bytes) from rank 1 "
         "(shared-memory channel)"
     ), message
+
+
+def _stopped_peer(path: str) -> str:
+    comm = Communicator(timeout=datetime.timedelta(seconds=60))
+    big = torch.zeros(50_000)  # many slots
+    if comm.rank == 1:
+        comm.send(big, 0, purpose="activations", label="mb1")  # the channel is open
+        os.kill(os.getpid(), signal.SIGSTOP)
+    comm.recv(big, 1, purpose="activations", label="mb1")
+    start = time.monotonic()
+    try:
+        comm.recv(big, 1, purpose="activations", label="mb2")
+        message = "no error"
+    except CollectiveError as err:
+        message = f"{time.monotonic() - start:.1f}s: {err}"
+    with open(path, "w") as f:
+        f.write(message)
+    return message
+
+
+def test_stopped_peer_is_named_by_its_silent_heartbeat(tmp_path):
+    # Its process exists (a PID check sees nothing wrong); its heartbeat stands still.
+    path = str(tmp_path / "rank0.txt")
+    env = {**SMALL, "ZEROTRAIN_HEARTBEAT_TIMEOUT": "3"}
+    with pytest.raises(DistributedTestError):
+        run_distributed(_stopped_peer, 2, path, timeout=90, comm_timeout=60, env=env)
+    seconds, message = Path(path).read_text().split("s: ", 1)
+    print(f"stopped peer named after {seconds} s: {message}")
+    assert float(seconds) < 10.0  # the 3 s heartbeat timeout, not the 60 s one
+    assert message.startswith("rank 0: rank 1 stopped answering (no heartbeat for "), message
+    assert "the process is stopped (SIGSTOP)" in message, message
 
 
 def _sub_group() -> dict[str, object]:

@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 
 import zerotrain
-from tests.helpers.training import TINY, RunSpec, global_batches, make_model, micro_batch, zerotrain_config
+from tests.helpers.training import (
+    TINY,
+    RunSpec,
+    global_batches,
+    make_model,
+    micro_batch,
+    zerotrain_config,
+)
 from zerotrain.testing.dist import JobOutcome, run_distributed, run_to_the_end
 from zerotrain.testing.faults import CallCounter, Fault, FaultAt, read_marker
 
@@ -69,10 +76,9 @@ class Plan:
     @staticmethod
     def draw(phase: str, seed: int, marker: str) -> Plan:
         rng = random.Random(f"{phase}-{seed}")
-        if phase == "save":
-            step = rng.choice(SAVE_AFTER[1:])  # the save before it calibrates
-        else:  # a step that has a previous one (calibration) and a next one
-            step = rng.randint(1, STEPS - 2)
+        # A save after the first (that one calibrates); other phases: a step with a previous
+        # one (calibration) and a next one (the survivors' next collective).
+        step = rng.choice(SAVE_AFTER[1:]) if phase == "save" else rng.randint(1, STEPS - 2)
         # The optimizer step does its work at the accumulation boundary (micro-batch 1).
         micro = 1 if phase == "step" else rng.randint(0, 1) if phase != "save" else 0
         kind = ("kill", "stop")[seed % 2]  # half of the seeds each

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from zerotrain.comm.shm_p2p import PairSettings, ShmPairs, process_alive
+from zerotrain.comm import liveness
+from zerotrain.comm.shm_p2p import PairSettings, ShmPairs
 
 
 def _pairs(min_bytes: int) -> ShmPairs:
@@ -46,8 +49,26 @@ def test_settings_from_env(monkeypatch):
         PairSettings.from_env()
 
 
-def test_process_alive_sees_exited_processes():
-    assert process_alive(os.getpid())
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    assert not process_alive(child.pid)
+def test_process_state_tells_running_stopped_zombie_and_exited_apart():
+    # What a waiting rank reads about a peer of its PID namespace (channels and arena).
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        assert liveness.process_state(child.pid) == "running"
+        os.kill(child.pid, signal.SIGSTOP)
+        _until(lambda: liveness.process_state(child.pid) == "stopped (SIGSTOP)")
+        os.kill(child.pid, signal.SIGKILL)
+        # Ended, not yet reaped by its parent (this process): a zombie counts as gone.
+        _until(lambda: liveness.process_state(child.pid).startswith("a zombie"))
+    finally:
+        child.kill()
+        child.wait()
+    assert liveness.process_state(child.pid) == "exited"
+
+
+def _until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)

@@ -323,6 +323,8 @@ class PeerToPeer:
         if err.exited:
             when = "during" if err.stage == "data" else "before issuing"
             what = f"{peer} exited {when} the matching point-to-point call"
+        elif err.silent:
+            what = f"{peer} stopped answering ({err.silent})"
         elif err.stage == "header":
             what = (
                 f"{peer} did not issue the matching point-to-point call within "

@@ -76,13 +76,23 @@ def slot_bytes_from_env() -> int:
 
 
 def host_identity() -> str:
-    """Identifies this machine's kernel: ranks with the same identity can share memory."""
+    """Identifies this machine's kernel and the namespaces a process sees it through: ranks
+    with the same identity can share memory. Processes in different network namespaces are
+    treated as different hosts (containers, or the namespaces multi-host tests run in: their
+    traffic must cross the link between them), and so are different mount namespaces (their
+    /dev/shm may be different filesystems)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{os.uname().nodename}/{boot}"
+    namespaces = []
+    for kind in ("net", "mnt"):
+        try:
+            namespaces.append(str(os.stat(f"/proc/self/ns/{kind}").st_ino))
+        except OSError:
+            namespaces.append("?")
+    return f"{os.uname().nodename}/{boot}/{'/'.join(namespaces)}"
 
 
 _SEGMENT_PREFIX = "zerotrain-"
@@ -180,7 +190,9 @@ class ShmArena(liveness.Tickable):
     ) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(world_size))
+        self.global_ranks = (
+            list(global_ranks) if global_ranks is not None else list(range(world_size))
+        )
         self.slot_bytes = slot_bytes
         self.timeout = (timeout or datetime.timedelta(seconds=600)).total_seconds()
         notes = 2 * _NOTE * world_size

@@ -20,8 +20,12 @@ advances whenever its peer allows it (one loop over all of them), so a ring shif
 ways at once with messages larger than the slots cannot deadlock. Messages between a pair
 keep their order (one stream per direction).
 
-Waits are bounded: a peer whose process is gone is reported at once (its pid, checked every
-0.1 s), one that does not move for the communicator's timeout is reported by name.
+Waits are bounded, and liveness does not rest on process ids alone (``liveness.py``): each
+side ticks a heartbeat in its control line. A waiting rank reports a peer at once when
+``/proc`` shows it exited or a zombie (same PID namespace), after
+``ZEROTRAIN_HEARTBEAT_TIMEOUT`` seconds when its heartbeat stands still (SIGSTOP, another
+PID namespace, a hang), and after the communicator's timeout when it is alive but never
+takes part.
 x86-64 only (the flag protocol relies on its memory ordering), as the arena.
 """
 
@@ -40,6 +44,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from zerotrain.comm import liveness
 from zerotrain.comm.handle import CollectiveError
 from zerotrain.comm.shm import remove_stale_segments, stale_sweepable_name, untracked_segment
 from zerotrain.utils.invariant import invariant
@@ -47,7 +52,8 @@ from zerotrain.utils.invariant import invariant
 _LINE = 64  # control bytes per side: one cache line
 _CELL = 512  # bytes per header cell (p2p.HEADER_BYTES)
 _DATA_START = 4096  # control lines and cells fit in the first page
-_PID, _HEADERS, _POSTED, _CONSUMED = 0, 1, 2, 3  # int64 fields of a side's control line
+# int64 fields of a side's control line
+_PID, _HEADERS, _POSTED, _CONSUMED, _HEARTBEAT, _NAMESPACE = 0, 1, 2, 3, 4, 5
 _PEER_CHECK_S = 0.1
 
 #: Messages of at least this many bytes go through the channel (below: the backend). Chosen
@@ -104,12 +110,16 @@ class PeerStalledError(RuntimeError):
         waited: seconds this rank waited.
     """
 
-    def __init__(self, peer: int, stage: str, exited: bool, waited: float) -> None:
-        super().__init__(f"rank {peer} {'exited' if exited else 'is late'} ({stage})")
+    def __init__(
+        self, peer: int, stage: str, exited: bool, waited: float, silent: str | None = None
+    ) -> None:
+        state = "exited" if exited else "stopped answering" if silent else "is late"
+        super().__init__(f"rank {peer} {state} ({stage})")
         self.peer = peer
         self.stage = stage
         self.exited = exited
         self.waited = waited
+        self.silent = silent  # how its heartbeat fell silent, when it did
 
 
 def _unlink(name: str) -> None:
@@ -117,22 +127,12 @@ def _unlink(name: str) -> None:
         _posixshmem.shm_unlink("/" + name)
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+def _gone(state: str) -> bool:
+    """Whether a ``liveness.process_state`` says the process is gone."""
+    return state == "exited" or state.startswith("a zombie")
 
 
-class PairChannel:
+class PairChannel(liveness.Tickable):
     """One pair's segment, seen from one side (0: the lower rank, which created it)."""
 
     def __init__(self, segment: shared_memory.SharedMemory, side: int, settings: PairSettings):
@@ -147,9 +147,30 @@ class PairChannel:
         self.posted = 0  # chunks this side wrote
         self.consumed = 0  # chunks this side read
         self._control[side, _PID] = os.getpid()
+        self._control[side, _NAMESPACE] = liveness.pid_namespace()
+        self._closed = False
+        liveness.beat_for(self)
+
+    def tick(self) -> None:
+        """One heartbeat (from the liveness thread)."""
+        if not self._closed:
+            self._control[self.side, _HEARTBEAT] += 1
+
+    def peer_heartbeat(self) -> int:
+        """The peer's heartbeat count (0 until it opened the channel)."""
+        return self._peer(_HEARTBEAT)
+
+    def peer_state(self) -> str | None:
+        """What ``/proc`` says of the peer (``liveness.process_state``), None when it has
+        not opened the channel or lives in another PID namespace."""
+        pid = self._peer(_PID)
+        if pid == 0 or self._peer(_NAMESPACE) != liveness.pid_namespace():
+            return None
+        return liveness.process_state(pid)
 
     def close(self) -> None:
         """Detach from the segment."""
+        self._closed = True
         del self._control, self._bytes, self._buf
         self._shm.close()
 
@@ -285,7 +306,7 @@ class ShmPairs:
     Args:
         rank / world_size: this rank's place in the group.
         token: a name prefix every rank of the group agreed on (unique per communicator).
-        pids: every group rank's process id.
+        pids: every group rank's process id (read only for peers of this PID namespace).
         tags: every group rank's ``liveness.process_tag()`` (segment names carry the creator's).
         local: for every group rank, whether it shares this machine (and shared memory).
         settings: channel sizes and the threshold (the same on every rank).
@@ -313,6 +334,8 @@ class ShmPairs:
         self.local = list(local)
         self.settings = settings
         self.timeout = timeout
+        self._silence = liveness.heartbeat_timeout()
+        self._heard: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat, when it moved)
         self._channels: dict[int, PairChannel] = {}
 
     def is_local(self, peer: int) -> bool:
@@ -412,10 +435,33 @@ class ShmPairs:
                 next_check = now + _PEER_CHECK_S
                 self._check_peers(pending, now)
 
+    def _state(self, peer: int, channel: PairChannel | None) -> str | None:
+        """``liveness.process_state`` of ``peer`` where it can be known (same namespace)."""
+        if channel is not None:
+            state = channel.peer_state()
+            if state is not None:
+                return state
+        if liveness.tag_owner(self.tags[peer]) is None:
+            return None  # another PID namespace: its process id means nothing here
+        return liveness.process_state(self.pids[peer])
+
     def _check_peers(self, pending: Sequence[_Progress], now: float) -> None:
         for p in pending:
-            peer = p.work.peer
-            if not process_alive(self.pids[peer]):
-                raise PeerStalledError(peer, p.stage, True, now - p.last_moved)
-            if now - p.last_moved >= self.timeout:
-                raise PeerStalledError(peer, p.stage, False, now - p.last_moved)
+            peer, waited = p.work.peer, now - p.last_moved
+            state = self._state(peer, p.channel)
+            if state is not None and _gone(state):
+                raise PeerStalledError(peer, p.stage, True, waited)
+            if p.channel is not None and p.channel.peer_heartbeat() > 0:
+                beat = p.channel.peer_heartbeat()
+                heard = self._heard.get(peer)
+                if heard is None or heard[0] != beat:
+                    self._heard[peer] = (beat, now)
+                elif now - heard[1] >= self._silence:
+                    silent = (
+                        f"no heartbeat for {now - heard[1]:.0f} s; the process is "
+                        f"{state or 'in another PID namespace'}; "
+                        f"ZEROTRAIN_HEARTBEAT_TIMEOUT={self._silence:g}"
+                    )
+                    raise PeerStalledError(peer, p.stage, False, waited, silent)
+            if waited >= self.timeout:
+                raise PeerStalledError(peer, p.stage, False, waited)

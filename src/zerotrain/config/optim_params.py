@@ -93,6 +93,77 @@ class LambParams(Section):
         return self
 
 
+CommBackend = Literal["nccl", "mpi", "compressed", "hccl"]
+
+
+class _CompressedParams(Section):
+    """What DeepSpeed's 1-bit optimizers share. ``cuda_aware`` and ``comm_backend_name`` are
+    accepted (zerotrain runs the compressed all-reduce on its own communicator, on every
+    backend, and says so once); ``bias_correction``, ``eps_inside_sqrt`` and
+    ``max_grad_norm`` are accepted as DeepSpeed accepts them, with no effect there either
+    (logged when set: clipping is the top-level ``gradient_clipping``)."""
+
+    lr: NonNegativeFloat = 1e-3
+    betas: Betas = (0.9, 0.999)
+    eps: Annotated[Float, Field(gt=0)] = 1e-8
+    weight_decay: NonNegativeFloat = 0.0
+    bias_correction: Bool = True
+    eps_inside_sqrt: Bool = False
+    max_grad_norm: NonNegativeFloat = 0.0
+    amsgrad: Bool = False
+    cuda_aware: Bool = False
+    comm_backend_name: CommBackend = "nccl"
+
+    @model_validator(mode="after")
+    def _no_amsgrad(self) -> _CompressedParams:
+        if self.amsgrad:
+            raise ValueError(
+                "amsgrad is not supported by the 1-bit optimizers (as in DeepSpeed): the "
+                "variance is frozen after the warm-up, so its running maximum means nothing"
+            )
+        return self
+
+
+class OneBitAdamParams(_CompressedParams):
+    """1-bit Adam: Adam with full gradient averaging for ``freeze_step`` steps, then the
+    variance frozen and the momentum averaged with 1 bit per element."""
+
+    freeze_step: NonNegativeInt = 100000
+
+
+class ZeroOneAdamParams(_CompressedParams):
+    """0/1 Adam: variance updated on a doubling schedule until ``var_freeze_step``, then
+    local steps with periodic compressed synchronisation."""
+
+    var_freeze_step: NonNegativeInt = 100000
+    var_update_scaler: PositiveInt = 16
+    local_step_scaler: PositiveInt = 32678
+    local_step_clipper: PositiveInt = 16
+
+
+class OneBitLambParams(_CompressedParams):
+    """1-bit LAMB: LAMB for ``freeze_step`` steps, then the momentum averaged with 1 bit per
+    element and trust ratios extrapolated from a fresh variance."""
+
+    freeze_step: NonNegativeInt = 100000
+    max_coeff: Annotated[Float, Field(gt=0)] = 10.0
+    min_coeff: NonNegativeFloat = 0.01
+    coeff_beta: Ratio = 0.9
+    factor_max: Annotated[Float, Field(gt=0)] = 4.0
+    factor_min: NonNegativeFloat = 0.5
+    factor_threshold: NonNegativeFloat = 0.1
+
+    @model_validator(mode="after")
+    def _ranges(self) -> OneBitLambParams:
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"min_coeff ({self.min_coeff}) exceeds max_coeff ({self.max_coeff})")
+        if self.factor_min > self.factor_max:
+            raise ValueError(
+                f"factor_min ({self.factor_min}) exceeds factor_max ({self.factor_max})"
+            )
+        return self
+
+
 WarmupType = Literal["log", "linear"]
 LrOrList = Float | list[Float]
 
@@ -145,13 +216,15 @@ OPTIMIZER_PARAMS: Mapping[str, type[Section]] = MappingProxyType(
         "adamw": AdamWParams,
         "sgd": SGDParams,
         "lamb": LambParams,
+        "onebitadam": OneBitAdamParams,
+        "zerooneadam": ZeroOneAdamParams,
+        "onebitlamb": OneBitLambParams,
     }
 )
+# The optimizers that average with the 1-bit compressed all-reduce.
+COMPRESSED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 # Known to DeepSpeed users but not built here yet: named so the error says "not implemented".
 OPTIMIZERS_NOT_IMPLEMENTED = (
-    "onebitadam",
-    "onebitlamb",
-    "zerooneadam",
     "adagrad",
     "lion",
     "muadam",

@@ -30,6 +30,7 @@ from zerotrain.config.features import (
 from zerotrain.config.loader import load_config
 from zerotrain.config.policies import ActivationCheckpointingPolicy, to_policies
 from zerotrain.config.schema import ZeroTrainConfig
+from zerotrain.engine.compressed_setup import check_compressed, is_compressed
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.engine import Engine
 from zerotrain.engine.optimizers import make_optimizer, make_scheduler
@@ -390,6 +391,12 @@ def initialize(
             policies.stage3.persistence_threshold,
             shard_gradients=zero.shard_gradients,
         )
+    pad_multiple = 1
+    spec = policies.optimizer
+    if spec is not None and is_compressed(spec):
+        pad_multiple = check_compressed(
+            spec, zero.stage, policies.offload.enabled, topology, comm.world_size
+        )
     try:
         strategy = ZeroStrategy(
             param_groups.trainable,
@@ -404,6 +411,7 @@ def initialize(
             # Pipeline stages hold different parameters, tensor ranks different slices.
             distinct_axes=[groups.pipe, *([groups.tensor] if tensor_whole is not None else [])],
             isolate=pipe_module.tied_prefixes() if pipe_module is not None else (),
+            pad_multiple=pad_multiple,
         )
         if tensor_whole is not None and groups.tensor.rank != 0:
             # Whole on every tensor rank, with the same gradients: the first rank counts them.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from zerotrain.config.policies import OptimizerSpec, SchedulerSpec
+from zerotrain.engine.compressed_setup import build_compressed, is_compressed
 from zerotrain.engine.param_groups import ParamGroups
 from zerotrain.optim.base import FlatOptimizer
 from zerotrain.optim.factory import (
@@ -77,6 +78,12 @@ def make_optimizer(
             "use one of them"
         )
     sharded = strategy.optimizer_over_shards
+    if spec is not None and is_compressed(spec):
+        flat = flat_groups(strategy, groups)
+        param_groups = [{"params": g.tensors, **g.options} for g in flat]
+        return EngineOptimizer(
+            build_compressed(spec, strategy, groups, param_groups), steps_model_params=False
+        )
     if strategy.offload is not None:
         return _offloaded(optimizer, spec, strategy, groups)
     if spec is not None:

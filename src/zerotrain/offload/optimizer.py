@@ -149,6 +149,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.swaps_states = moment_file is not None or any(
             o.weights.region is not None for o in operands.values()
         )
+        # Read by the ZeRO step: states streamed through it cannot skip a parameter.
+        self.steps_unused_because = (
+            "NVMe offload streams the optimizer states through the step"
+            if self.swaps_states
+            else None
+        )
         self._sets = [_BufferSet(chunk_numel, pin_memory) for _ in range(max(2, buffer_count))]
         self.chunk_numel = chunk_numel
         self.io_wait_seconds = 0.0  # total, for the wall-clock breakdown

@@ -31,7 +31,7 @@ NormReducer = Callable[[torch.Tensor], None]
 Segment = tuple[int, int, int]  # (start, end, parameter id) inside one flat tensor
 
 
-def _pieces(segments: Sequence[Segment], numel: int) -> tuple[list[int], list[int]]:
+def segment_runs(segments: Sequence[Segment], numel: int) -> tuple[list[int], list[int]]:
     """Lengths covering ``[0, numel)`` in order, and the parameter id of each (-1: padding)."""
     lengths: list[int] = []
     ids: list[int] = []
@@ -131,7 +131,7 @@ class Lamb(FlatOptimizer):
             del denom
             if group["weight_decay"] != 0:
                 update.add_(param, alpha=group["weight_decay"])
-            lengths, ids = _pieces(spans[id(param)], param.numel())
+            lengths, ids = segment_runs(spans[id(param)], param.numel())
             real = [i for i, pid in enumerate(ids) if pid >= 0]
             index = torch.tensor([ids[i] for i in real], dtype=torch.long, device=device)
             for row, tensor in enumerate((param, update)):

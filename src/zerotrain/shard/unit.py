@@ -407,6 +407,26 @@ class ShardedUnit:
         invariant(isinstance(self.grads, FullGradients), "parameter gradients are not kept")
         self.grads.bind()  # type: ignore[union-attr]
 
+    def keep_local_gradient(self, divide_by: float) -> None:
+        """End the window without a reduction: the gradient stays this rank's own, divided
+        by ``divide_by`` (what the reduction would have divided by, without the ranks), for
+        an optimizer that communicates it itself (the 1-bit optimizers)."""
+        invariant(
+            isinstance(self.grads, FullGradients),
+            f"{self!r}: local gradients need the whole gradient (ZeRO stages 0-1)",
+        )
+        invariant(self.state is GradState.ACCUMULATING, f"{self!r}: window already reduced")
+        if divide_by != 1.0:
+            self.grads.flat.div_(divide_by)  # type: ignore[union-attr]
+        self.state = GradState.REDUCED
+
+    def full_gradient(self) -> torch.Tensor:
+        """The gradient of the whole buffer in fp32 (stages 0-1): this rank's own after
+        ``keep_local_gradient``, else the averaged one at stage 0."""
+        invariant(isinstance(self.grads, FullGradients), f"{self!r}: no whole gradient kept")
+        flat = self.grads.flat  # type: ignore[union-attr]
+        return flat if flat.dtype == torch.float32 else flat.float()
+
     def check_reduced(self) -> None:
         """Raise unless the gradient is ready for the optimizer."""
         invariant(

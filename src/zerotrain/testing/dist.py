@@ -168,7 +168,7 @@ def _job(
     comm_timeout: float | None,
     env: dict[str, str] | None,
     sweep: bool = True,
-) -> Iterator[tuple[list[BaseProcess], Any, list[str]]]:
+) -> Iterator[tuple[Sequence[BaseProcess], Any, list[str]]]:
     """Start ``world_size`` ranks running ``fn``; on exit kill what is left and remove the
     logs (and, with ``sweep``, the shared-memory segments of the ranks)."""
     if world_size < 1:
@@ -399,6 +399,4 @@ def _await_exits(
         if outcome.status in ("ok", "error"):
             procs[r].join(timeout=max(0.0, deadline - time.monotonic()))
             if not procs[r].is_alive():
-                outcomes[r] = dataclasses.replace(
-                    outcome, exited=True, exitcode=procs[r].exitcode
-                )
+                outcomes[r] = dataclasses.replace(outcome, exited=True, exitcode=procs[r].exitcode)

@@ -29,7 +29,7 @@ from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import LargeAllocationMapping
-from zerotrain.utils.norms import squared_norms, sum_squares
+from zerotrain.utils.norms import squared_norm, squared_norms, sum_squares
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
@@ -77,6 +77,8 @@ class ZeroStrategy:
             and with it clipping and the fp16 overflow decision, sums over them too.
         isolate: stages 0-2: name prefixes whose parameters form a unit of their own each
             (see ``build_units``); stage 3 takes its units from the model.
+        pad_multiple: stages 0-2: pad every unit's buffer to a multiple of this (the 1-bit
+            all-reduce's chunks).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class ZeroStrategy:
         offload: Offload | None = None,
         distinct_axes: Sequence[Communicator] = (),
         isolate: Sequence[str] = (),
+        pad_multiple: int = 1,
     ) -> None:
         self.comm = comm
         self.distinct_axes = tuple(a for a in distinct_axes if a.world_size > 1)
@@ -147,6 +150,7 @@ class ZeroStrategy:
                 offload,
                 host_master,
                 isolate,
+                pad_multiple,
             )
             # Whole parameters: GatheredParameters(modifier_rank=...) broadcasts over comm.
             register(self._unit_params(), Home(comm))
@@ -163,6 +167,10 @@ class ZeroStrategy:
             self.gatherer.on_backward_done = self.sync.mark_done
         self._boundary = False
         self._requires_sync = True
+        # Whether gradients are averaged across ranks, decided per window by the optimizer
+        # (None: always); and whether the current window keeps each rank's own.
+        self._averaging: Callable[[], bool] | None = None
+        self._local = False
         self._is_last_backward: bool | None = None
         self._used: tuple[torch.Tensor, Handle] | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
@@ -225,6 +233,23 @@ class ZeroStrategy:
         of one per pass."""
         self._requires_sync = requires_sync
 
+    def set_gradient_averaging(self, wanted: Callable[[], bool] | None) -> None:
+        """Who decides, window by window, whether backward passes average gradients across
+        ranks: None (always; the default) or a callable asked as each window starts (the
+        1-bit optimizers, which communicate compressed themselves once their warm-up is
+        over). A window without averaging ends with each rank's own gradient, as if the
+        ranks were one (divided by the micro-steps, not by the ranks)."""
+        invariant(
+            wanted is None or not self.zero.shard_gradients,
+            "local gradients need whole gradients (ZeRO stages 0-1)",
+        )
+        self._averaging = wanted
+
+    @property
+    def local_gradients(self) -> bool:
+        """Whether the current window keeps each rank's own gradient (no averaging)."""
+        return self._local
+
     def set_is_last_backward(self, is_last: bool | None) -> None:
         """Whether the next backward passes close the accumulation window (their reductions
         are final, and the step's checks exchange behind them), overriding what the caller
@@ -262,10 +287,11 @@ class ZeroStrategy:
         if self._is_last_backward is not None:
             boundary = self._is_last_backward
         self._boundary = boundary and self._requires_sync
+        self._local = self._averaging is not None and not self._averaging()
         self._drop_outside_grads_if_zeroed()
         for unit in self.units:
             unit.attach_grads()
-        self.sync.begin_backward(boundary, requires_sync=self._requires_sync)
+        self.sync.begin_backward(boundary, requires_sync=self._requires_sync and not self._local)
 
     def _drop_outside_grads_if_zeroed(self) -> None:
         # Gradients of backward passes outside the engine stay in param.grad, where
@@ -296,6 +322,13 @@ class ZeroStrategy:
         self.sync.wait()
         for unit in self.units:
             unit.detach_grads()
+        if self._boundary and self._local:
+            policy = self.units[0].reduce_policy if self.units else None
+            if policy is not None:
+                # What the reduction divides by, less the ranks it averages over.
+                ranks = policy.pre_divide * policy.post_divide / self.comm.world_size
+                for unit in self.units:
+                    unit.keep_local_gradient(ranks)
 
     def abort_backward(self) -> None:
         """After autograd raised: discard the current window's gradients."""
@@ -353,12 +386,27 @@ class ZeroStrategy:
         as they were written."""
         for unit in self.units:
             unit.check_reduced()
+        if self._local:
+            return self._local_norm()
         squares = [
             self._counted_squares(k, u) if k in self._norm_ranges else u.grad_squared_norm()
             for k, u in enumerate(self.units)
             if k not in self._norm_excluded
         ]
         return norm_from_squares(squares, self.global_norm_reducer())
+
+    def _local_norm(self) -> torch.Tensor:
+        """With each rank's own gradients: the quadratic mean of their norms over the ranks,
+        ``sqrt(mean_r ||g_r||^2)`` (one scalar all-reduce). It bounds the norm of their
+        average, so clipping by it never lets a step grow past what clipping the averaged
+        gradient would allow; and one inf/NaN on any rank makes it non-finite everywhere."""
+
+        def mean_over_ranks(total: torch.Tensor) -> None:
+            self.comm.all_reduce(total, purpose="control")
+            total.div_(self.comm.world_size)
+
+        squares = [squared_norm(u.grads.flat) for u in self.units]  # type: ignore[union-attr]
+        return norm_from_squares(squares, mean_over_ranks)
 
     def first_nonfinite_grad(self) -> str | None:
         """The first parameter, in unit order, whose reduced gradient holds inf/NaN in this
@@ -418,7 +466,10 @@ class ZeroStrategy:
         """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
         them). Streamed slices are scaled by the offloaded step as it reads them."""
         if coef is not None:
-            resident = [g for u in self.units for g in u.grads_to_scale()]
+            if self._local:  # each rank's whole gradient, as the optimizer reads it
+                resident = [u.grads.flat for u in self.units]  # type: ignore[union-attr]
+            else:
+                resident = [g for u in self.units for g in u.grads_to_scale()]
             if resident:
                 torch._foreach_mul_(resident, coef.to(resident[0].device))
         if self.offload is not None and self.offload.optimizer is not None:
@@ -550,19 +601,21 @@ class ZeroStrategy:
                 optimizer.state.pop(param, None)
 
     @contextlib.contextmanager
-    def _stepped_anyway(self, unused: list[tuple[ShardedUnit, int]]) -> Iterator[None]:
-        """NVMe offload streams states through the step instead of holding them, so
-        parameters without a gradient are stepped with a zero one (said once)."""
+    def _stepped_anyway(self, unused: list[tuple[ShardedUnit, int]], why: str) -> Iterator[None]:
+        """Optimizers that cannot leave a parameter out of a step (``why``: NVMe offload
+        streams the states through it; the 1-bit optimizers average every momentum) step
+        parameters without a gradient with a zero one (said once)."""
         if unused and not self._told_unused_swapped:
             self._told_unused_swapped = True
             names = ", ".join(unit.buffer.layout.params[i].fqn for unit, i in unused[:5])
             log.warning(
-                "%d parameter(s) got no gradient in this step (%s%s); with NVMe offload they "
-                "are stepped with a zero gradient (moments decay, weight decay applies), "
-                "unlike plain PyTorch, which skips them (said once)",
+                "%d parameter(s) got no gradient in this step (%s%s); %s, so they are stepped "
+                "with a zero gradient (moments decay, weight decay applies), unlike plain "
+                "PyTorch, which skips them (said once)",
                 len(unused),
                 names,
                 ", ..." if len(unused) > 5 else "",
+                why,
             )
         yield
 
@@ -591,10 +644,9 @@ class ZeroStrategy:
                     unit.detach_grads()
             else:
                 self._bind_optimizer_grads()
+                why = getattr(optimizer, "steps_unused_because", None)
                 untouched = (
-                    self._stepped_anyway(unused)
-                    if getattr(optimizer, "swaps_states", False)
-                    else self._untouched(unused, optimizer)
+                    self._stepped_anyway(unused, why) if why else self._untouched(unused, optimizer)
                 )
                 with torch.no_grad(), untouched:
                     optimizer.step()

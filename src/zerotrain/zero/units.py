@@ -24,6 +24,7 @@ from zerotrain.shard.layout import FlatLayout
 from zerotrain.shard.staging import StagingPool
 from zerotrain.shard.storage import StatePlacement
 from zerotrain.shard.unit import ShardedUnit
+from zerotrain.utils.invariant import invariant
 from zerotrain.zero.module_units import plan_module_units
 from zerotrain.zero.policy import ZeroPolicy
 
@@ -92,15 +93,22 @@ def _make_units(
     values: ValueLookup | None,
     placement: StatePlacement | None,
     master_on_host: bool,
+    pad_multiple: int = 1,
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
     """The one place units are built, for every stage: a layout per plan, the staging
     pools the units share (stages 2-3: one per reduction dtype and device, sized for its
     largest unit, with ``staging_buffers`` buffers), then each unit in plan order.
     ``placement`` decides where each unit's states live as it is built (offload moves them
-    to swap files before the next unit is built; None: in memory)."""
+    to swap files before the next unit is built; None: in memory). Every unit's buffer is
+    padded to a multiple of ``pad_multiple`` (itself a multiple of the ranks sharding it):
+    the 1-bit all-reduce cuts buffers into equal chunks of whole bytes of signs."""
     world = comm.world_size if zero.shard_optimizer else 1
+    invariant(pad_multiple % world == 0, f"padding {pad_multiple} is not a multiple of {world}")
     layouts = [
-        FlatLayout.pack([(n, tuple(p.shape)) for n, p in plan.members], world) for plan in plans
+        FlatLayout.pack(
+            [(n, tuple(p.shape)) for n, p in plan.members], world, pad_multiple // world
+        )
+        for plan in plans
     ]
 
     def staging_key(plan: UnitPlan) -> tuple[torch.dtype, torch.device]:
@@ -154,6 +162,7 @@ def build_units(
     placement: StatePlacement | None = None,
     master_on_host: bool = False,
     isolate: Sequence[str] = (),
+    pad_multiple: int = 1,
 ) -> tuple[list[ShardedUnit], list[StagingPool]]:
     """Stages 0-2: pack ``trainable`` into buckets, returned in the order their gradients
     are reduced, with the staging pools they share (stage 2; one per dtype).
@@ -202,7 +211,9 @@ def build_units(
         for bucket in buckets
     ]
     count = 2 if reduce.overlap else 1
-    return _make_units(plans, comm, zero, reduce, precision, count, None, placement, master_on_host)
+    return _make_units(
+        plans, comm, zero, reduce, precision, count, None, placement, master_on_host, pad_multiple
+    )
 
 
 def build_module_units(
