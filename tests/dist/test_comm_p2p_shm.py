@@ -139,7 +139,7 @@ def _stopped_peer(path: str) -> str:
         message = f"{time.monotonic() - start:.1f}s: {err}"
     with open(path, "w") as f:
         f.write(message)
-    return message
+    raise RuntimeError(message)  # the harness then ends the stopped rank at once
 
 
 def test_stopped_peer_is_named_by_its_silent_heartbeat(tmp_path):

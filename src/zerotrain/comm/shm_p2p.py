@@ -160,6 +160,11 @@ class PairChannel(liveness.Tickable):
         """The peer's heartbeat count (0 until it opened the channel)."""
         return self._peer(_HEARTBEAT)
 
+    @property
+    def peer_opened(self) -> bool:
+        """Whether the peer has opened the channel (its side carries its process id)."""
+        return self._peer(_PID) != 0
+
     def peer_state(self) -> str | None:
         """What ``/proc`` says of the peer (``liveness.process_state``), None when it has
         not opened the channel or lives in another PID namespace."""
@@ -451,7 +456,7 @@ class ShmPairs:
             state = self._state(peer, p.channel)
             if state is not None and _gone(state):
                 raise PeerStalledError(peer, p.stage, True, waited)
-            if p.channel is not None and p.channel.peer_heartbeat() > 0:
+            if p.channel is not None and p.channel.peer_opened:
                 beat = p.channel.peer_heartbeat()
                 heard = self._heard.get(peer)
                 if heard is None or heard[0] != beat:
