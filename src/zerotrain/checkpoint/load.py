@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from zerotrain.checkpoint import regions, rng
+from zerotrain.checkpoint import rank_local, regions, rng
 from zerotrain.checkpoint.boxes import Region, shared_count
 from zerotrain.checkpoint.directory import locate
 from zerotrain.checkpoint.errors import (
@@ -283,6 +283,23 @@ def _load_optimizer(state: TrainState, reader: CheckpointReader) -> None:
                 group[key] = tuple(value) if isinstance(current, tuple) else value
 
 
+def _load_rank_local(state: TrainState, reader: CheckpointReader) -> None:
+    """The optimizer's rank-local state, where the checkpoint's layout is this job's."""
+    rank = state.placement.global_rank
+    saved = reader.manifest.rank_local
+    entry = saved[rank] if saved is not None and rank < len(saved) else None
+    with torch.no_grad():
+        rank_local.restore(
+            state.optimizer,
+            entry,
+            lambda key: reader.rank_tensor(rank, key),
+            str(reader.path),
+            rank,
+        )
+        for unit in state.sharded.units:
+            unit.publish()  # values the optimizer restored into fp32 masters (0/1 Adam's)
+
+
 def _load_rng(state: TrainState, reader: CheckpointReader) -> None:
     manifest = reader.manifest
     placement = state.placement
@@ -373,6 +390,7 @@ def load_checkpoint(
             _load_params(state, reader)
             if not load_module_only and load_optimizer_states:
                 _load_optimizer(state, reader)
+                _load_rank_local(state, reader)
         if not load_module_only:
             _load_progress(state, reader, load_lr_scheduler_states)
         client_state = _load_client_state(reader.path, manifest)

@@ -152,6 +152,8 @@ class Manifest(_Model):
     data: dict[str, Any] | None
     rng: list[dict[str, Any]]  # by global rank
     client_state: str | None
+    # By global rank: each one's rank-local optimizer state (checkpoint/rank_local.py).
+    rank_local: list[dict[str, Any] | None] | None = None
     checksum: str | None = None  # None only in format 1, which had none
 
 

@@ -46,8 +46,10 @@ def write_index(
     rng_state: dict[str, Any],
     tensors: dict[str, Any],
     aliases: dict[str, str],
+    local: dict[str, Any] | None = None,
 ) -> None:
-    """Write global rank ``rank``'s index into the checkpoint being saved."""
+    """Write global rank ``rank``'s index into the checkpoint being saved (``local``: its
+    rank-local optimizer state's fingerprint and keys, ``checkpoint/rank_local.py``)."""
     index = {
         "rank": rank,
         "file": plan.file,
@@ -56,6 +58,7 @@ def write_index(
         "fragments": plan.fragments,
         "scalars": plan.scalars,
         "rng": rng_state,
+        "local": local,
         "tensors": tensors,
         "aliases": aliases,
     }
@@ -105,6 +108,7 @@ def merge_indexes(state: TrainState, partial: Path, tag: str, has_client_state: 
     seen: set[tuple[Any, ...]] = set()
     scalars: list[dict[str, Any]] = []
     rng_states: list[dict[str, Any]] = []
+    local_states: list[dict[str, Any] | None] = []
     tensors: dict[str, Any] = {}
     aliases: dict[str, Any] = {}
     owners: dict[str, int] = {}
@@ -119,6 +123,7 @@ def merge_indexes(state: TrainState, partial: Path, tag: str, has_client_state: 
                 fragments.append(fragment)
         scalars += index["scalars"]
         rng_states.append(index["rng"])
+        local_states.append(index.get("local"))
         _union(tensors, index["tensors"], owners, rank, "tensor")
         _union(aliases, index["aliases"], alias_owners, rank, "alias")
     if has_client_state:
@@ -173,6 +178,7 @@ def merge_indexes(state: TrainState, partial: Path, tag: str, has_client_state: 
         if state.data_loader is not None
         else None,
         "rng": rng_states,
+        "rank_local": local_states if any(e is not None for e in local_states) else None,
         "client_state": CLIENT_STATE if has_client_state else None,
     }
     checksum = write_manifest(partial, manifest)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from zerotrain.checkpoint import rng
+from zerotrain.checkpoint import rank_local, rng
 from zerotrain.checkpoint.directory import (
     check_tag,
     old_dir,
@@ -183,6 +183,8 @@ def _write_rank(state: TrainState, partial: Path) -> None:
             plan, tensors, aliases = build_plan(state, shard_file(placement.global_rank))
             rng_state, rng_tensors = rng.capture(placement.device)
             plan.tensors.update(rng_tensors)
+            local_entry, local_tensors = rank_local.capture(state.optimizer)
+            plan.tensors.update(local_tensors)
             needed = _shard_bytes(plan.tensors)
         except Exception as exc:
             error = exc
@@ -195,7 +197,9 @@ def _write_rank(state: TrainState, partial: Path) -> None:
             if exc.errno == errno.ENOSPC:
                 raise _no_space(exc, partial, needed) from exc
             raise
-    write_index(partial, placement.global_rank, plan, size, crc, rng_state, tensors, aliases)
+    write_index(
+        partial, placement.global_rank, plan, size, crc, rng_state, tensors, aliases, local_entry
+    )
 
 
 def _agree_or_discard(

@@ -200,13 +200,18 @@ class ZeroOneAdam(CompressedOptimizer):
     # -- rank-local state -------------------------------------------------------------------------
 
     def rank_local_state(self) -> dict[str, torch.Tensor]:
-        """The error feedback, this rank's momentum (its own between synchronisations) and
-        its accumulated local moves."""
+        """The error feedback, this rank's momentum (its own between synchronisations), its
+        accumulated local moves and, during local steps, its own parameters (the
+        checkpoint's shared copy holds pieces of every rank's)."""
         out = super().rank_local_state()
         for i, m in enumerate(self.momenta):
             out[f"momentum.{i}"] = m
         for i, a in enumerate(self.accumulators):
             out[f"moved.{i}"] = a
+        if self.local_steps:
+            for b, bucket in enumerate(self.buckets):
+                for k, piece in enumerate(bucket.pieces):
+                    out[f"param.{b}.{k}"] = piece.param
         return out
 
     def load_rank_local_state(self, tensors: dict[str, torch.Tensor] | None) -> None:
@@ -224,3 +229,8 @@ class ZeroOneAdam(CompressedOptimizer):
             self.accumulators = self._full()
             for i, a in enumerate(self.accumulators):
                 a.copy_(tensors[f"moved.{i}"])
+        for b, bucket in enumerate(self.buckets):
+            for k, piece in enumerate(bucket.pieces):
+                own = tensors.get(f"param.{b}.{k}")
+                if own is not None:
+                    piece.param.copy_(own)
