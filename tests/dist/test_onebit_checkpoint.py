@@ -89,7 +89,13 @@ def _resumed(spec: RunSpec, path: str, at: int) -> dict[str, Any]:
     }
 
 
-CASES = [("OneBitAdam", 0), ("OneBitAdam", 1), ("ZeroOneAdam", 0), ("OneBitLamb", 0), ("OneBitLamb", 1)]
+CASES = [
+    ("OneBitAdam", 0),
+    ("OneBitAdam", 1),
+    ("ZeroOneAdam", 0),
+    ("OneBitLamb", 0),
+    ("OneBitLamb", 1),
+]
 
 
 @pytest.mark.parametrize(("optimizer", "stage"), CASES)
@@ -99,7 +105,8 @@ def test_resume_on_as_many_ranks_continues_exactly(tmp_path: Path, optimizer: st
     resumed = run_distributed(_resumed, 2, spec, str(tmp_path), at)
     for rank in range(2):
         assert resumed[rank]["error_mass"] > 0  # the buffers came back, not zeros
-        diff = max(abs(a - b) for a, b in zip(resumed[rank]["losses"], whole[rank]["losses"]))
+        pairs = zip(resumed[rank]["losses"], whole[rank]["losses"], strict=True)
+        diff = max(abs(a - b) for a, b in pairs)
         assert diff <= 1e-6, (diff, resumed[rank]["losses"], whole[rank]["losses"])
         for name, value in whole[rank]["params"].items():
             assert (resumed[rank]["params"][name] - value).abs().max() <= 1e-6, name
@@ -113,7 +120,8 @@ def test_resume_on_other_ranks_resets_the_rank_local_state(tmp_path: Path, optim
     resumed = run_distributed(_resumed, 3, spec, str(tmp_path), at)
     said = [m for m in resumed[0]["messages"] if "reset to zero" in m]
     assert len(said) == 1, resumed[0]["messages"]
-    assert "ranks=2" in said[0] and "ranks=3" in said[0], said[0]
+    assert "ranks=2" in said[0], said[0]
+    assert "ranks=3" in said[0], said[0]
     for rank in resumed:
         assert rank["error_mass"] == 0
         assert all(torch.isfinite(torch.tensor(rank["losses"])))

@@ -595,3 +595,48 @@ def test_pipeline_virtual_stages_need_the_interleaved_schedule():
     assert "invalid regex" in only_problem(
         {"train_batch_size": 8, "pipeline": {"partition": "type:("}}
     )
+
+
+# -- the 1-bit optimizers ------------------------------------------------------------------------
+
+
+def _one_bit_params(optimizer: dict) -> dict:
+    cfg = load_config({"train_batch_size": 8, "optimizer": optimizer})
+    spec = to_policies(cfg, 2).optimizer
+    assert spec is not None
+    return dict(spec.params)
+
+
+def test_one_bit_optimizers_take_deepspeeds_parameters_and_defaults():
+    params = _one_bit_params({"type": "OneBitAdam", "params": {"lr": 4e-4}})
+    assert (params["freeze_step"], params["comm_backend_name"], params["cuda_aware"]) == (
+        100000,
+        "nccl",
+        False,
+    )
+    zero_one = _one_bit_params({"type": "ZeroOneAdam"})
+    assert (
+        zero_one["var_freeze_step"],
+        zero_one["var_update_scaler"],
+        zero_one["local_step_scaler"],
+        zero_one["local_step_clipper"],
+    ) == (100000, 16, 32678, 16)
+    lamb = _one_bit_params({"type": "onebitlamb"})
+    assert (lamb["max_coeff"], lamb["min_coeff"], lamb["coeff_beta"]) == (10.0, 0.01, 0.9)
+    assert (lamb["factor_max"], lamb["factor_min"], lamb["factor_threshold"]) == (4.0, 0.5, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "params", "needles"),
+    [
+        ("OneBitAdam", {"freeze_steps": 10}, ("freeze_steps", "did you mean 'freeze_step'?")),
+        ("OneBitAdam", {"amsgrad": True}, ("amsgrad is not supported",)),
+        ("ZeroOneAdam", {"comm_backend_name": "gloo"}, ("comm_backend_name", "'nccl'")),
+        ("ZeroOneAdam", {"var_update_scaler": 0}, ("var_update_scaler",)),
+        ("OneBitLamb", {"factor_min": 3, "factor_max": 2}, ("factor_min (3.0) exceeds",)),
+    ],
+)
+def test_one_bit_optimizer_params_are_checked(optimizer, params, needles):
+    message = only_problem({"optimizer": {"type": optimizer, "params": params}})
+    for needle in needles:
+        assert needle in message, message

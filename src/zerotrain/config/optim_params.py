@@ -99,9 +99,9 @@ CommBackend = Literal["nccl", "mpi", "compressed", "hccl"]
 class _CompressedParams(Section):
     """What DeepSpeed's 1-bit optimizers share. ``cuda_aware`` and ``comm_backend_name`` are
     accepted (zerotrain runs the compressed all-reduce on its own communicator, on every
-    backend, and says so once); ``bias_correction``, ``eps_inside_sqrt`` and
-    ``max_grad_norm`` are accepted as DeepSpeed accepts them, with no effect there either
-    (logged when set: clipping is the top-level ``gradient_clipping``)."""
+    backend, and says so once); ``bias_correction`` and ``eps_inside_sqrt`` are accepted as
+    DeepSpeed accepts them, with no effect there either (logged when set). A
+    ``max_grad_norm`` here means ``gradient_clipping``, as for every optimizer."""
 
     lr: NonNegativeFloat = 1e-3
     betas: Betas = (0.9, 0.999)
@@ -109,7 +109,6 @@ class _CompressedParams(Section):
     weight_decay: NonNegativeFloat = 0.0
     bias_correction: Bool = True
     eps_inside_sqrt: Bool = False
-    max_grad_norm: NonNegativeFloat = 0.0
     amsgrad: Bool = False
     cuda_aware: Bool = False
     comm_backend_name: CommBackend = "nccl"

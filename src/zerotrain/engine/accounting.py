@@ -86,15 +86,25 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of every tensor in ``optimizer.state``."""
+    """Bytes of every tensor in ``optimizer.state``, and of the buffers an optimizer keeps
+    beside it (``state_tensors()``: the 1-bit optimizers' whole momentum and error
+    feedback), each storage counted once (their per-piece states are views of it)."""
     if optimizer is None:
         return 0
-    return tensor_bytes(
+    tensors = [
         v
         for state in optimizer.state.values()
         for v in state.values()
         if isinstance(v, torch.Tensor)
-    )
+    ]
+    extra = getattr(optimizer, "state_tensors", None)
+    if extra is not None:
+        tensors += list(extra())
+    storages: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def buffer_bytes(module: nn.Module) -> int:

@@ -32,7 +32,6 @@ log = get_logger(__name__)
 _NO_EFFECT = {
     "bias_correction": (True, "the 1-bit optimizers never bias-correct (as in DeepSpeed)"),
     "eps_inside_sqrt": (False, "the 1-bit optimizers add eps outside the square root"),
-    "max_grad_norm": (0.0, "clipping is the top-level gradient_clipping"),
     "cuda_aware": (False, "zerotrain's communicator chooses how buffers move"),
 }
 _IGNORED = (*_NO_EFFECT, "amsgrad", "comm_backend_name")
@@ -43,9 +42,7 @@ def is_compressed(spec: OptimizerSpec | None) -> bool:
     return spec is not None and spec.name in COMPRESSED_OPTIMIZERS
 
 
-def check_compressed(
-    spec: OptimizerSpec, stage: int, offload: bool, topology: Topology, data_ranks: int
-) -> int:
+def check_compressed(spec: OptimizerSpec, stage: int, topology: Topology, data_ranks: int) -> int:
     """Refuse what the 1-bit optimizers cannot run with, say which keys have no effect, and
     return the multiple every unit's buffer must be padded to (``N * lcm(N, 8)``)."""
     name = OPTIMIZER_DISPLAY[spec.name]
@@ -62,11 +59,6 @@ def check_compressed(
             "of its parameters with the frozen variance, so the variance cannot be partitioned "
             "(stage 1) without gathering it, or the parameters, at every step. Use "
             "zero_optimization.stage 0, or OneBitAdam at stage 1"
-        )
-    if offload:
-        raise ValueError(
-            f"{name} keeps its states in memory: remove zero_optimization.offload_optimizer "
-            "/ offload_param"
         )
     if topology.pipe > 1 or topology.tensor > 1 or topology.sequence > 1:
         raise NotImplementedError(

@@ -394,9 +394,8 @@ def initialize(
     pad_multiple = 1
     spec = policies.optimizer
     if spec is not None and is_compressed(spec):
-        pad_multiple = check_compressed(
-            spec, zero.stage, policies.offload.enabled, topology, comm.world_size
-        )
+        # (Offload with them is refused with the config: it steps Adam/AdamW only.)
+        pad_multiple = check_compressed(spec, zero.stage, topology, comm.world_size)
     try:
         strategy = ZeroStrategy(
             param_groups.trainable,

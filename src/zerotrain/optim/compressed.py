@@ -204,6 +204,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for piece in bucket.pieces:
             yield piece, self.param_groups[piece.group]
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The buffers kept beside ``self.state`` (memory accounting)."""
+        return [*self.momenta, *self.worker_errors, *self.server_errors]
+
     # -- rank-local state (checkpoints) ------------------------------------------------------------
 
     def rank_local_fingerprint(self) -> str:

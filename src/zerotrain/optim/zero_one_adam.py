@@ -197,6 +197,10 @@ class ZeroOneAdam(CompressedOptimizer):
             moved.zero_()
         self._set("lrs", 0.0)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The buffers kept beside ``self.state``, with the accumulated local moves."""
+        return [*super().state_tensors(), *self.accumulators]
+
     # -- rank-local state -------------------------------------------------------------------------
 
     def rank_local_state(self) -> dict[str, torch.Tensor]:
