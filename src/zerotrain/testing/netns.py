@@ -1,0 +1,226 @@
+"""Separate network hosts on one machine, for multi-host tests and benchmarks: Linux network
+namespaces joined by a switch, each host's link optionally throttled with a token bucket
+(``tc qdisc ... tbf``).
+
+Every host is a namespace with its own loopback and one interface to a bridge in a switch
+namespace; traffic between hosts crosses that link (and zerotrain's shared-memory transport
+never joins ranks of different network namespaces: ``comm.shm.host_identity``). A process
+runs on a host through ``ip netns exec``. Needs root; :func:`unavailable` says why not
+otherwise, so a test can skip with the reason.
+
+    with hosts(2, rate="100mbit") as (a, b):
+        a.popen([sys.executable, "worker.py"], env=...)   # listens on a.address
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why network namespaces cannot be used here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command (iproute2) is not installed"
+    probe = f"ztprobe{os.getpid() % 100000}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host: its namespace, its address, and the interface of its link."""
+
+    namespace: str
+    address: str
+    interface: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host's namespace."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` on this host."""
+        return subprocess.Popen(self.command(argv), **kwargs)
+
+    def link_bytes(self) -> int:
+        """Bytes sent plus received on this host's link so far."""
+        total = 0
+        for way in ("tx_bytes", "rx_bytes"):
+            out = subprocess.run(
+                self.command(["cat", f"/sys/class/net/{self.interface}/statistics/{way}"]),
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            total += int(out.stdout.strip())
+        return total
+
+
+@contextlib.contextmanager
+def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
+    """``count`` hosts on one switch (each link throttled to ``rate``, e.g. "100mbit", in
+    both directions); every namespace and link is removed on exit.
+
+    Raises:
+        RuntimeError: namespaces are unavailable (see :func:`unavailable`), or a command
+            failed (its message is included).
+    """
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    tag = f"zt{os.getpid() % 100000}"
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    switch = f"{tag}sw"
+    made: list[str] = []
+    try:
+        _ip("netns", "add", switch)
+        made.append(switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        found = []
+        for i in range(count):
+            name, inner, outer = f"{tag}h{i}", f"{tag}h{i}", f"{tag}p{i}"
+            _ip("netns", "add", name)
+            made.append(name)
+            _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+            _ip("link", "set", inner, "netns", name)
+            _ip("link", "set", outer, "netns", switch)
+            _ip("-n", switch, "link", "set", outer, "master", "br0")
+            _ip("-n", switch, "link", "set", outer, "up")
+            address = f"{subnet}.{i + 1}"
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", inner)
+            _ip("-n", name, "link", "set", inner, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+            if rate is not None:
+                for space, device in ((name, inner), (switch, outer)):
+                    _throttle(space, device, rate)
+            found.append(Host(name, address, inner))
+        yield found
+    except subprocess.CalledProcessError as err:
+        raise RuntimeError(f"setting up network namespaces failed: {err.stderr.strip()}") from err
+    finally:
+        for name in reversed(made):  # a namespace takes its interfaces with it
+            _ip("netns", "del", name, check=False)
+
+
+def _throttle(namespace: str, device: str, rate: str) -> None:
+    """A token bucket on ``device``'s egress: ``rate``, bursts of 128 KiB, at most 50 ms of
+    queue (more is dropped, as a congested link drops)."""
+    subprocess.run(
+        [
+            "tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf",
+            "rate", rate, "burst", "128kb", "latency", "50ms",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )  # fmt: skip
+
+
+def run_on_hosts(
+    fn: Callable[..., Any],
+    placement: Sequence[Host],
+    *args: Any,
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` as one job with rank r on host ``placement[r]`` (a module-level
+    function, as for ``run_distributed``), rendezvousing at the first host's address with
+    ``env://``; returns each rank's result.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback and output are in the message) or the
+            job did not finish within ``timeout`` seconds.
+    """
+    world = len(placement)
+    with tempfile.TemporaryDirectory(prefix="zerotrain-hosts-") as tmp:
+        call = Path(tmp) / "call.pkl"
+        call.write_bytes(pickle.dumps((fn, args)))
+        port = str(_free_port())
+        procs, outputs = [], []
+        for rank, host in enumerate(placement):
+            rank_env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(sum(h == host for h in placement[:rank])),
+                "MASTER_ADDR": placement[0].address,
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": "1",
+                "ZEROTRAIN_DEVICE": "cpu",
+                # gloo picks its interface from the host name otherwise, which resolves to
+                # an address this namespace does not have.
+                "GLOO_SOCKET_IFNAME": host.interface,
+                **(env or {}),
+            }
+            log = open(Path(tmp) / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
+            outputs.append(log)
+            argv = [sys.executable, "-m", "zerotrain.testing.host_worker", str(call)]
+            argv.append(str(Path(tmp) / f"rank{rank}.pkl"))
+            procs.append(host.popen(argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+        try:
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"{getattr(fn, '__qualname__', fn)}: not finished within {timeout:.0f} s\n"
+                + _outputs(outputs)
+            ) from None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        results = []
+        for rank in range(world):
+            path = Path(tmp) / f"rank{rank}.pkl"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} reported nothing\n" + _outputs(outputs))
+            status, value = pickle.loads(path.read_bytes())
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} raised:\n{value}\n" + _outputs(outputs))
+            results.append(value)
+        for log in outputs:
+            log.close()
+        return results
+
+
+def _outputs(logs: Sequence[Any]) -> str:
+    parts = []
+    for rank, log in enumerate(logs):
+        log.flush()
+        log.seek(0)
+        parts.append(f"--- rank {rank} output ---\n{log.read()[-3000:]}")
+    return "\n".join(parts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
