@@ -123,6 +123,14 @@ def build_compressed(
     pieces' groups, as every flat optimizer gets them), wired so the engine averages
     gradients only while the optimizer asks for it."""
     hyper = {k: v for k, v in hyperparameters(spec).items() if k not in _IGNORED}
+    for i, options in enumerate(groups.options):
+        if "exp_avg_mask" in options:
+            raise ValueError(
+                f"model_parameters group {i} sets 'exp_avg_mask': DeepSpeed's momentum mask "
+                "(zeroing elements whose momentum must stay zero, such as positions beyond the "
+                "trained sequence length) is not implemented yet in zerotrain's 1-bit "
+                "optimizers; remove the key (buffer padding is kept at zero without it)"
+            )
     check_group_options(list(hyper), [dict(o) for o in groups.options])
     buckets = [_bucket(unit) for unit in strategy.units]
     comm = strategy.comm
