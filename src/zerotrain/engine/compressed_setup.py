@@ -37,6 +37,13 @@ _NO_EFFECT = {
 _IGNORED = (*_NO_EFFECT, "amsgrad", "comm_backend_name")
 
 
+_CLASSES: dict[str, type[CompressedOptimizer]] = {
+    "onebitadam": OneBitAdam,
+    "zerooneadam": ZeroOneAdam,
+    "onebitlamb": OneBitLamb,
+}
+
+
 def is_compressed(spec: OptimizerSpec | None) -> bool:
     """Whether ``spec`` names one of the 1-bit optimizers."""
     return spec is not None and spec.name in COMPRESSED_OPTIMIZERS
@@ -134,17 +141,12 @@ def build_compressed(
     check_group_options(list(hyper), [dict(o) for o in groups.options])
     buckets = [_bucket(unit) for unit in strategy.units]
     comm = strategy.comm
-    optimizer: CompressedOptimizer
-    per_parameter = spec.name != "onebitlamb"
+    cls = _CLASSES[spec.name]
+    per_parameter = cls.scale_groups == "parameter"
     layout = _layout(buckets, comm.world_size, per_parameter, strategy.num_params)
     exchange = OneBitExchange(comm, layout, sharded=strategy.zero.shard_optimizer)
-    if spec.name == "onebitadam":
-        optimizer = OneBitAdam(param_groups, buckets, exchange, **hyper)
-    elif spec.name == "zerooneadam":
-        optimizer = ZeroOneAdam(param_groups, buckets, exchange, **hyper)
-    else:
-        optimizer = OneBitLamb(
-            param_groups, buckets, exchange, num_ids=strategy.num_params, **hyper
-        )
+    if cls is OneBitLamb:
+        hyper["num_ids"] = strategy.num_params
+    optimizer = cls(param_groups, buckets, exchange, **hyper)
     strategy.set_gradient_averaging(optimizer.wants_averaged_gradients)
     return optimizer

@@ -140,7 +140,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.worker_errors: list[torch.Tensor] = []
         self.server_errors: list[torch.Tensor] = []
         self.momenta: list[torch.Tensor] = []  # each bucket's momentum, in full
-        self._piece_of = {id(p.param): p for b in self.buckets for p in b.pieces}
         self._loaded = False  # a checkpoint was loaded since the last step
 
     # -- what the engine asks -------------------------------------------------------------------
