@@ -76,23 +76,22 @@ def slot_bytes_from_env() -> int:
 
 
 def host_identity() -> str:
-    """Identifies this machine's kernel and the namespaces a process sees it through: ranks
-    with the same identity can share memory. Processes in different network namespaces are
-    treated as different hosts (containers, or the namespaces multi-host tests run in: their
-    traffic must cross the link between them), and so are different mount namespaces (their
-    /dev/shm may be different filesystems)."""
+    """Identifies this machine's kernel and the network namespace a process sees it through:
+    ranks with the same identity can share memory. Processes in different network namespaces
+    are treated as different hosts (containers, or the namespaces multi-host tests run in:
+    their traffic must cross the link between them). A rank whose /dev/shm is another
+    filesystem (another mount namespace) cannot open the arena, and the group falls back to
+    the network backend then."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    namespaces = []
-    for kind in ("net", "mnt"):
-        try:
-            namespaces.append(str(os.stat(f"/proc/self/ns/{kind}").st_ino))
-        except OSError:
-            namespaces.append("?")
-    return f"{os.uname().nodename}/{boot}/{'/'.join(namespaces)}"
+    try:
+        network = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        network = "?"
+    return f"{os.uname().nodename}/{boot}/{network}"
 
 
 _SEGMENT_PREFIX = "zerotrain-"

@@ -18,7 +18,9 @@ import contextlib
 import functools
 import os
 import pickle
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -141,83 +143,159 @@ def _throttle(namespace: str, device: str, rate: str) -> None:
     )  # fmt: skip
 
 
-def run_on_hosts(
-    fn: Callable[..., Any],
-    placement: Sequence[Host],
-    *args: Any,
-    timeout: float = 600.0,
-    env: dict[str, str] | None = None,
-) -> list[Any]:
-    """Run ``fn(*args)`` as one job with rank r on host ``placement[r]`` (a module-level
-    function, as for ``run_distributed``), rendezvousing at the first host's address with
-    ``env://``; returns each rank's result.
+class Place(Protocol):
+    """Where one rank runs: an address others reach it at, the interface gloo binds, and
+    how a command starts there."""
 
-    Raises:
-        RuntimeError: a rank failed (its traceback and output are in the message) or the
-            job did not finish within ``timeout`` seconds.
-    """
-    world = len(placement)
-    with tempfile.TemporaryDirectory(prefix="zerotrain-hosts-") as tmp:
-        call = Path(tmp) / "call.pkl"
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def interface(self) -> str: ...
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]: ...
+
+
+@dataclass(frozen=True)
+class Local:
+    """This machine's loopback, the process optionally in new namespaces of its own
+    (``unshare`` options, e.g. ``("--pid", "--fork", "--mount-proc")``: a rank in another
+    PID namespace). A shell stays in front of the process, so that it is not its
+    namespace's init (which ignores signals it sent itself, SIGSTOP included)."""
+
+    unshare: tuple[str, ...] = ()
+    address: str = "127.0.0.1"
+    interface: str = "lo"
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` here (in its own namespaces when asked)."""
+        if not self.unshare:
+            return subprocess.Popen(list(argv), **kwargs)
+        script = " ".join(shlex.quote(a) for a in argv) + "; exit $?"
+        return subprocess.Popen(["unshare", *self.unshare, "sh", "-c", script], **kwargs)
+
+
+class Job:
+    """One job launched with rank r at ``placement[r]``, rendezvousing at the first place's
+    address with ``env://``; each rank runs ``fn(*args)`` (module-level, as for
+    ``run_distributed``) through ``zerotrain.testing.host_worker``. A context manager: on
+    exit every rank still running is killed and the files are removed."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        placement: Sequence[Place],
+        *args: Any,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        self._tmp = tempfile.TemporaryDirectory(prefix="zerotrain-hosts-")
+        tmp = Path(self._tmp.name)
+        call = tmp / "call.pkl"
         call.write_bytes(pickle.dumps((fn, args)))
         port = str(_free_port())
-        procs, outputs = [], []
-        for rank, host in enumerate(placement):
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.logs: list[Any] = []
+        self.results = [tmp / f"rank{r}.pkl" for r in range(len(placement))]
+        for rank, place in enumerate(placement):
             rank_env = {
                 **os.environ,
                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                 "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(sum(h == host for h in placement[:rank])),
+                "WORLD_SIZE": str(len(placement)),
+                "LOCAL_RANK": str(sum(p == place for p in placement[:rank])),
                 "MASTER_ADDR": placement[0].address,
                 "MASTER_PORT": port,
                 "OMP_NUM_THREADS": "1",
                 "ZEROTRAIN_DEVICE": "cpu",
                 # gloo picks its interface from the host name otherwise, which resolves to
-                # an address this namespace does not have.
-                "GLOO_SOCKET_IFNAME": host.interface,
+                # an address a namespace host does not have.
+                "GLOO_SOCKET_IFNAME": place.interface,
                 **(env or {}),
             }
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
-            outputs.append(log)
+            log = open(tmp / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed in close())
+            self.logs.append(log)
             argv = [sys.executable, "-m", "zerotrain.testing.host_worker", str(call)]
-            argv.append(str(Path(tmp) / f"rank{rank}.pkl"))
-            procs.append(host.popen(argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+            argv.append(str(self.results[rank]))
+            self.procs.append(place.popen(argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait(self, ranks: Sequence[int], timeout: float) -> None:
+        """Wait for ``ranks`` to end. Raises RuntimeError (with every rank's output) if they
+        have not within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         try:
-            deadline = time.monotonic() + timeout
-            for proc in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            for rank in ranks:
+                self.procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise RuntimeError(
-                f"{getattr(fn, '__qualname__', fn)}: not finished within {timeout:.0f} s\n"
-                + _outputs(outputs)
+                f"{self.name}: not finished within {timeout:.0f} s\n{self.outputs()}"
             ) from None
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        results = []
-        for rank in range(world):
-            path = Path(tmp) / f"rank{rank}.pkl"
-            if not path.exists():
-                raise RuntimeError(f"rank {rank} reported nothing\n" + _outputs(outputs))
-            status, value = pickle.loads(path.read_bytes())
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} raised:\n{value}\n" + _outputs(outputs))
-            results.append(value)
-        for log in outputs:
+
+    def result(self, rank: int) -> tuple[str, Any]:
+        """``("ok", value)``, ``("error", traceback)`` or ``("missing", None)``."""
+        path = self.results[rank]
+        if not path.exists():
+            return "missing", None
+        status, value = pickle.loads(path.read_bytes())
+        return str(status), value
+
+    def outputs(self) -> str:
+        """Every rank's output (its last 3000 characters)."""
+        parts = []
+        for rank, log in enumerate(self.logs):
+            log.flush()
+            log.seek(0)
+            parts.append(f"--- rank {rank} output ---\n{log.read()[-3000:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        """Kill what still runs (a stopped rank too), then remove the files."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL) if _own_group(proc) else proc.kill()
+                proc.wait()
+        for log in self.logs:
             log.close()
+        self._tmp.cleanup()
+
+
+def _own_group(proc: subprocess.Popen[Any]) -> bool:
+    try:
+        return os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        return False
+
+
+def run_on_hosts(
+    fn: Callable[..., Any],
+    placement: Sequence[Place],
+    *args: Any,
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` as one :class:`Job` across ``placement``; returns each rank's
+    result.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback and output are in the message) or the
+            job did not finish within ``timeout`` seconds.
+    """
+    with Job(fn, placement, *args, env=env) as job:
+        job.wait(range(len(placement)), timeout)
+        results = []
+        for rank in range(len(placement)):
+            status, value = job.result(rank)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} {status}:\n{value}\n{job.outputs()}")
+            results.append(value)
         return results
-
-
-def _outputs(logs: Sequence[Any]) -> str:
-    parts = []
-    for rank, log in enumerate(logs):
-        log.flush()
-        log.seek(0)
-        parts.append(f"--- rank {rank} output ---\n{log.read()[-3000:]}")
-    return "\n".join(parts)
 
 
 def _free_port() -> int:
