@@ -227,8 +227,10 @@ def test_stage_1_partitions_the_variance_and_the_server_error():
     for stage in (0, 1):
         out = run_distributed(_memory, world, stage)[0]
         # Momentum and worker error whole on every rank (every rank folds its gradient of
-        # every element in), variance for what this rank updates, server error one chunk.
-        expected = 4 * (2 * out["padded"] + out["owned"] + out["padded"] // world)
+        # every element in), variance for what this rank updates, server error one chunk
+        # (and the server's two chunk-sized scratch buffers).
+        chunk = out["padded"] // world
+        expected = 4 * (2 * out["padded"] + out["owned"] + chunk + 2 * chunk)
         assert out["states"] == expected, (stage, out)
         if stage == 1:
             assert out["owned"] <= out["padded"] // world

@@ -143,22 +143,27 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
     return (bits * weights).sum(dim=1, dtype=torch.uint8)
 
 
-_SIGN_TABLES: dict[torch.device, torch.Tensor] = {}
+# +-1.0 for the 8 bits of every byte value, first bit first: one lookup per packed byte.
+_SIGNS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
 
 
-def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """±1.0 (float32) for each bit of ``packed`` (uint8), as :func:`pack_signs` packed them."""
+def unpack_signs(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """+-1.0 (float32) for each bit of ``packed`` (uint8), as :func:`pack_signs` packed them;
+    written into ``out`` (contiguous, 8 elements per byte) when given."""
+    if out is None:
+        out = torch.empty(packed.numel() * 8, dtype=torch.float32, device=packed.device)
     if packed.device.type == "cpu":
-        bits = torch.from_numpy(np.unpackbits(packed.numpy()))
-        return bits.to(torch.float32).mul_(2).sub_(1)
+        # A table lookup per byte: one pass, into the destination (NumPy's take).
+        np.take(_SIGNS, packed.numpy(), axis=0, out=out.numpy().reshape(-1, 8))
+        return out
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
     bits = (packed.view(-1, 1) >> shifts) & 1
-    return bits.view(-1).to(torch.float32).mul_(2).sub_(1)
+    return out.copy_(bits.view(-1)).mul_(2).sub_(1)
 
 
 def compress(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What 1 bit per element with one ``scale`` keeps of ``values``: ``scale * sign``, with
-    sign(0) = +1."""
+    sign(0) = +1 (for tests and references; the all-reduce decodes the packed signs)."""
     signs = torch.where(values >= 0, 1.0, -1.0).to(values.dtype)
     return signs.mul_(scale)
 
@@ -190,8 +195,10 @@ class OneBitAllReduce:
         self.layout = layout
         self.rank = comm.rank
         self._groups_of: list[list[Segment]] = [[] for _ in range(layout.groups)]
+        self._segments_of: list[list[Segment]] = [[] for _ in layout.sizes]
         for s in layout.segments:
             self._groups_of[s.group].append(s)
+            self._segments_of[s.bucket].append(s)
         # For every server and bucket: (server scale index, lo, hi relative to the chunk,
         # scale group) of each segment inside the chunk.
         self._parts: list[list[list[tuple[int, int, int, int]]]] = []
@@ -201,6 +208,7 @@ class OneBitAllReduce:
                 lo = layout.chunk(seg.bucket, j)[0]
                 by_bucket[seg.bucket].append((k, seg.lo - lo, seg.hi - lo, seg.group))
             self._parts.append(by_bucket)
+        self._buffers: torch.Tensor | None = None
 
     def server_error_numel(self, bucket: int) -> int:
         """Length of this rank's server error for ``bucket`` (one chunk)."""
@@ -228,16 +236,17 @@ class OneBitAllReduce:
         scales = torch.stack(
             [_rms([buckets[s.bucket][s.lo : s.hi] for s in segs]) for segs in self._groups_of]
         )
-        for s in layout.segments:
-            x = buckets[s.bucket][s.lo : s.hi]
-            torch.sub(x, compress(x, scales[s.group]), out=worker_errors[s.bucket][s.lo : s.hi])
-        send = torch.cat(
-            [
-                pack_signs(bucket[slice(*layout.chunk(b, j))])
-                for j in range(n)
-                for b, bucket in enumerate(buckets)
-            ]
-        ).view(n, layout.packed_row)
+        values = scales.tolist()
+        packed = [pack_signs(bucket) for bucket in buckets]
+        for b, bucket in enumerate(buckets):
+            # error = x - scale * sign, from the very signs sent (decoded into the error
+            # buffer itself, then updated element by element in place)
+            error = unpack_signs(packed[b], out=worker_errors[b])
+            for s in self._segments_of[b]:
+                part = error[s.lo : s.hi]
+                torch.add(bucket[s.lo : s.hi], part, alpha=-values[s.group], out=part)
+        # Chunks are whole bytes of the packed signs: row j holds every bucket's chunk j.
+        send = torch.cat([p.view(n, -1) for p in packed], dim=1).contiguous()
         # Phase 1: chunk j of every worker's signs to server j; every worker's scales.
         received = torch.empty_like(send)
         comm.all_to_all(received, send, purpose=PURPOSE, label=f"{label} signs")
@@ -252,20 +261,16 @@ class OneBitAllReduce:
         comm.all_gather_into(
             gathered, server_scales, purpose=PURPOSE, label=f"{label} server scales"
         )
+        by_server = gathered.tolist()
         for j in range(n):
-            for b, values in enumerate(self._decode_row(signs[j], j)):
-                for k, lo, hi, _ in self._parts[j][b]:
-                    values[lo:hi].mul_(gathered[j, k])
-                buckets[b][slice(*layout.chunk(b, j))].copy_(values)
-
-    def _decode_row(self, row: torch.Tensor, server: int) -> list[torch.Tensor]:
-        """±1 for every element of ``server``'s chunk of each bucket, from its packed row."""
-        out, at = [], 0
-        for b in range(len(self.layout.sizes)):
-            lo, hi = self.layout.chunk(b, server)
-            out.append(unpack_signs(row[at : at + (hi - lo) // 8]).to(row.device))
-            at += (hi - lo) // 8
-        return out
+            at = 0
+            for b, bucket in enumerate(buckets):
+                lo, hi = layout.chunk(b, j)
+                chunk = bucket[lo:hi]
+                unpack_signs(signs[j, at : at + (hi - lo) // 8], out=chunk)
+                at += (hi - lo) // 8
+                for k, a, z, _ in self._parts[j][b]:
+                    chunk[a:z].mul_(by_server[j][k])
 
     def _serve(
         self,
@@ -277,20 +282,40 @@ class OneBitAllReduce:
         server error, compressed again. Returns the packed signs and the scales (padded to
         the layout's ``max_server_segments``); updates ``server_errors``."""
         n, parts = self.layout.world_size, self._parts[self.rank]
-        per_worker = [self._decode_row(received[w], self.rank) for w in range(n)]
+        weights = all_scales.tolist()  # [worker][group]
         scales = torch.zeros(self.layout.max_server_segments, dtype=torch.float32)
-        packed = []
+        packed, at = [], 0
         for b, error in enumerate(server_errors):
-            signs = torch.stack([worker[b] for worker in per_worker])
-            average = error.clone()
-            for _, lo, hi, group in parts[b]:
-                average[lo:hi] += (all_scales[:, group] / n) @ signs[:, lo:hi]
+            nbytes = error.numel() // 8
+            signs, total = self._scratch(error.numel(), error.device)
+            total.zero_()
+            for w in range(n):  # sum of the workers' scale * sign, then over N
+                unpack_signs(received[w, at : at + nbytes], out=signs)
+                for _, lo, hi, group in parts[b]:
+                    total[lo:hi].add_(signs[lo:hi], alpha=weights[w][group])
+            at += nbytes
+            average = total.div_(n).add_(error)
             for k, lo, hi, _ in parts[b]:
-                x = average[lo:hi]
-                scales[k] = _rms([x])
-                torch.sub(x, compress(x, scales[k]), out=error[lo:hi])
-            packed.append(pack_signs(average))
+                scales[k] = _rms([average[lo:hi]])
+            mine = pack_signs(average)
+            unpack_signs(mine, out=error)  # then error = average - scale * sign, in place
+            for k, lo, hi, _ in parts[b]:
+                part = error[lo:hi]
+                torch.add(average[lo:hi], part, alpha=-float(scales[k]), out=part)
+            packed.append(mine)
         return torch.cat(packed), scales.to(received.device)
+
+    def _scratch(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two chunk-sized buffers for the server's decoding and sums, kept between calls
+        (fresh pages would be faulted in at every step)."""
+        if self._buffers is None or self._buffers.shape[1] < numel:
+            largest = max(size // self.layout.world_size for size in self.layout.sizes)
+            self._buffers = torch.empty(2, largest, dtype=torch.float32, device=device)
+        return self._buffers[0, :numel], self._buffers[1, :numel]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """What it keeps between calls (memory accounting)."""
+        return [] if self._buffers is None else [self._buffers]
 
 
 class OneBitExchange:
@@ -328,6 +353,10 @@ class OneBitExchange:
     def server_error_numel(self, bucket: int) -> int:
         """Length of this rank's server error for ``bucket``."""
         return self._reduce.server_error_numel(bucket)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Scratch kept between steps (memory accounting)."""
+        return self._reduce.buffers()
 
     def gather_owned(self, fulls: Sequence[torch.Tensor]) -> None:
         """Each rank's chunk of every bucket into every rank's copy (full precision: once,

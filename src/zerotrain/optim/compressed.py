@@ -95,6 +95,9 @@ class Exchange(Protocol):
     def server_error_numel(self, bucket: int) -> int:
         """Length of this rank's server error for ``bucket``."""
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Scratch the exchange keeps between steps."""
+
     def gather_owned(self, fulls: Sequence[torch.Tensor]) -> None:
         """Every rank's owned range of each bucket into every rank's copy (stage 1)."""
 
@@ -205,7 +208,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The buffers kept beside ``self.state`` (memory accounting)."""
-        return [*self.momenta, *self.worker_errors, *self.server_errors]
+        return [*self.momenta, *self.worker_errors, *self.server_errors, *self.exchange.buffers()]
 
     # -- rank-local state (checkpoints) ------------------------------------------------------------
 

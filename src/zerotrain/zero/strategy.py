@@ -245,11 +245,6 @@ class ZeroStrategy:
         )
         self._averaging = wanted
 
-    @property
-    def local_gradients(self) -> bool:
-        """Whether the current window keeps each rank's own gradient (no averaging)."""
-        return self._local
-
     def set_is_last_backward(self, is_last: bool | None) -> None:
         """Whether the next backward passes close the accumulation window (their reductions
         are final, and the step's checks exchange behind them), overriding what the caller
