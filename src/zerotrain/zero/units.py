@@ -11,6 +11,7 @@ the optimizer steps it as one tensor.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,6 @@ from zerotrain.shard.layout import FlatLayout
 from zerotrain.shard.staging import StagingPool
 from zerotrain.shard.storage import StatePlacement
 from zerotrain.shard.unit import ShardedUnit
-from zerotrain.utils.invariant import invariant
 from zerotrain.zero.module_units import plan_module_units
 from zerotrain.zero.policy import ZeroPolicy
 
@@ -100,14 +100,12 @@ def _make_units(
     largest unit, with ``staging_buffers`` buffers), then each unit in plan order.
     ``placement`` decides where each unit's states live as it is built (offload moves them
     to swap files before the next unit is built; None: in memory). Every unit's buffer is
-    padded to a multiple of ``pad_multiple`` (itself a multiple of the ranks sharding it):
-    the 1-bit all-reduce cuts buffers into equal chunks of whole bytes of signs."""
+    padded to a multiple of ``pad_multiple`` as well as of the ranks sharding it: the 1-bit
+    all-reduce cuts buffers into equal chunks of whole bytes of signs."""
     world = comm.world_size if zero.shard_optimizer else 1
-    invariant(pad_multiple % world == 0, f"padding {pad_multiple} is not a multiple of {world}")
+    align = math.lcm(pad_multiple, world) // world
     layouts = [
-        FlatLayout.pack(
-            [(n, tuple(p.shape)) for n, p in plan.members], world, pad_multiple // world
-        )
+        FlatLayout.pack([(n, tuple(p.shape)) for n, p in plan.members], world, align)
         for plan in plans
     ]
 
