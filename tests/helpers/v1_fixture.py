@@ -98,8 +98,15 @@ def resume(path: str) -> dict[str, Any]:
     engine, loader = build(seed=99)
     torch.manual_seed(5)
     loaded, client = engine.load_checkpoint(path)
+    restored = full_params(engine)
     losses = train(engine, iter(loader), 3)
-    return {"path": loaded, "client": client, "losses": losses, "params": full_params(engine)}
+    return {
+        "path": loaded,
+        "client": client,
+        "restored": restored,
+        "losses": losses,
+        "params": full_params(engine),
+    }
 
 
 def main(out: str) -> None:
