@@ -92,7 +92,17 @@ def codec(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- training on every system ---------------------------------------------------------------------
 
-SYSTEMS = ("adamw", "onebitadam", "zerooneadam", "lamb", "onebitlamb", "powersgd")
+SYSTEMS = (
+    "adamw",
+    "onebitadam",
+    "zerooneadam",
+    "zerooneadam-v32",
+    "zerooneadam-v64",
+    "lamb",
+    "onebitlamb",
+    "powersgd",
+    "zerooneadam-v64-local",
+)
 
 
 def _gpt_config(layers: int, width: int, block: int) -> Any:
@@ -117,16 +127,21 @@ def _optimizer(
         return {"type": "AdamW", "params": {"lr": lr, **wd}}
     if system == "onebitadam":
         return {"type": "OneBitAdam", "params": {"lr": lr, "freeze_step": freeze, **wd}}
-    if system == "zerooneadam":
-        # The variance schedule and local steps scaled to a short run: variance updates
-        # every step, then every 2nd, 4th, ... (doubling every 8 updates) until the freeze;
-        # then local steps, their interval doubling every 20 steps up to 8.
-        params = {
-            "var_freeze_step": freeze,
-            "var_update_scaler": 8,
-            "local_step_scaler": 20,
-            "local_step_clipper": 8,
-        }
+    if system.startswith("zerooneadam"):
+        # ``zerooneadam``: DeepSpeed's defaults but the freeze (var_update_scaler 16: the
+        # variance interval doubles every 16 updates, so from step 18 on some steps' gradients
+        # travel compressed; local_step_scaler 32678: in 300 steps the local-step interval
+        # stays 1, a compressed synchronisation every step). ``-v<N>``: var_update_scaler N
+        # (32: compressed gradients from step 34; 64: none before the freeze at 60).
+        # ``-local``: local-step intervals 1, 2, 4, 8 (doubling every 20 steps) after it.
+        params: dict[str, Any] = {"var_freeze_step": freeze}
+        for part in system.split("-")[1:]:
+            if part.startswith("v"):
+                params["var_update_scaler"] = int(part[1:])
+            elif part == "local":
+                params |= {"local_step_scaler": 20, "local_step_clipper": 8}
+            else:
+                raise ValueError(f"unknown 0/1 Adam variant {part!r} in {system!r}")
         return {"type": "ZeroOneAdam", "params": {"lr": lr, **params, **wd}}
     if system == "lamb":
         return {"type": "Lamb", "params": {"lr": lamb_lr, "bias_correction": False, **wd}}
@@ -297,12 +312,34 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
         results["systems"][system] = ranks[0]
         final = statistics.mean(ranks[0]["losses"][-20:])
         print(
-            f"{system:<12} final loss (mean of last 20) {final:.4f}, step {args.steps}: "
+            f"{system:<22} final loss (mean of last 20) {final:.4f}, step {args.steps}: "
             f"{ranks[0]['losses'][-1]:.4f} ({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
+        if args.json:  # after every system: a run cut short keeps what it measured
+            _write(results, args.json)
     _plot(results, Path(args.png))
+    _summarise(results)
     return results
+
+
+def _write(results: dict[str, Any], path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=1))
+
+
+def _summarise(results: dict[str, Any]) -> None:
+    """Each system's final loss against its uncompressed baseline (AdamW, or LAMB for
+    1-bit LAMB); the goal is within 3%."""
+    finals = {
+        name: statistics.mean(run["losses"][-20:]) for name, run in results["systems"].items()
+    }
+    print(f"{'system':<22} {'final':>7} {'baseline':>9} {'ratio':>7}")
+    for name, final in finals.items():
+        base = "lamb" if name == "onebitlamb" else "adamw"
+        if base in finals and name != base:
+            ratio = final / finals[base]
+            print(f"{name:<22} {final:7.4f} {base:>9} {ratio:7.3f}")
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
@@ -313,9 +350,22 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"adamw": "k-", "onebitadam": "C0-", "zerooneadam": "C1-", "powersgd": "C2--"}
+    styles |= {"zerooneadam-v32": "C4-", "zerooneadam-v64": "C5-"}
+    styles["zerooneadam-v64-local"] = "C5:"
     styles |= {"lamb": "k:", "onebitlamb": "C3-"}
     freeze = results["options"]["freeze"]
-    panels = [("adamw", "onebitadam", "zerooneadam", "powersgd"), ("lamb", "onebitlamb")]
+    panels = [
+        (
+            "adamw",
+            "onebitadam",
+            "zerooneadam",
+            "zerooneadam-v32",
+            "zerooneadam-v64",
+            "zerooneadam-v64-local",
+            "powersgd",
+        ),
+        ("lamb", "onebitlamb"),
+    ]
     for ax, members in zip(axes, panels, strict=True):
         for system in members:
             if system not in results["systems"]:
