@@ -39,6 +39,7 @@ FIELDS = (
     "threads",
     "swap_mib",
     "shm_used_mib",
+    "shm_mapped_mib",
     "shm_names",
     "checkpoints_mib",
 )
@@ -85,6 +86,20 @@ def _rss_mib() -> float:
     return float("nan")
 
 
+def _shm_mapped_mib() -> float:
+    """This process's own shared-memory segments: the /dev/shm files it maps (each counted
+    once), named or already unlinked. Unlike /dev/shm's usage, other jobs on the machine do
+    not count."""
+    sizes: dict[str, int] = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            inode = fields[4]
+            sizes[inode] = sizes.get(inode, 0) + end - start
+    return sum(sizes.values()) / 2**20
+
+
 def _swap_dirs(nvme: Path, rank: int) -> list[Path]:
     host = socket.gethostname()
     return [p for p in nvme.glob(f"zerotrain-swap-{host}-*-rank{rank}-*") if p.is_dir()]
@@ -97,6 +112,7 @@ def _sample(rank: int, nvme: Path, checkpoints: Path) -> dict[str, float]:
         "threads": len(os.listdir("/proc/self/task")),
         "swap_mib": sum(_tree_bytes(p) for p in _swap_dirs(nvme, rank)) / 2**20,
         "shm_used_mib": float("nan"),
+        "shm_mapped_mib": _shm_mapped_mib(),
         "shm_names": float("nan"),
         "checkpoints_mib": float("nan"),
     }
@@ -158,7 +174,8 @@ def _read(out: Path) -> dict[int, dict[str, list[float]]]:
         rank = int(path.stem[4:])
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-        series[rank] = {k: [float(r[k]) for r in rows] for k in FIELDS}
+        # (CSVs written before a field existed read it as NaN.)
+        series[rank] = {k: [float(r.get(k) or "nan") for r in rows] for k in FIELDS}
     return series
 
 
@@ -193,7 +210,7 @@ def _plot(series: dict[int, dict[str, list[float]]], path: Path) -> None:
         ("fds", "open file descriptors", "all"),
         ("swap_mib", "swap directory (MiB)", "all"),
         ("threads", "threads", "all"),
-        ("shm_used_mib", "/dev/shm used (MiB)", 0),
+        ("shm_mapped_mib", "/dev/shm mapped by the rank (MiB)", "all"),
         ("checkpoints_mib", "checkpoint directory (MiB)", 0),
     ]
     fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
@@ -223,6 +240,10 @@ def report(out: Path, png: Path) -> dict[str, Any]:
             "fds": (min(s["fds"][second:]), max(s["fds"][second:])),
             "threads": (min(s["threads"][second:]), max(s["threads"][second:])),
             "swap_mib": (min(s["swap_mib"][second:]), max(s["swap_mib"][second:])),
+            "shm_mapped_mib": (
+                min(s["shm_mapped_mib"][second:]),
+                max(s["shm_mapped_mib"][second:]),
+            ),
         }
     zero = series[0]
     half = len(zero["step"]) // 2
@@ -241,8 +262,9 @@ def report(out: Path, png: Path) -> dict[str, Any]:
 def _table(summary: dict[str, Any]) -> str:
     lines = [
         "| rank | steps | minutes | RSS at half -> end MiB | RSS slope MiB/1000 steps | "
-        "growth over 2nd half MiB | noise (std) MiB | flat | fds | threads | swap MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "growth over 2nd half MiB | noise (std) MiB | flat | fds | threads | swap MiB | "
+        "/dev/shm mapped MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, r in summary["ranks"].items():
         rss = r["rss"]
@@ -251,12 +273,14 @@ def _table(summary: dict[str, Any]) -> str:
             f"{rss['last']:.1f} | {rss['mib_per_1000_steps']:+.3f} | {rss['growth_mib']:+.2f} "
             f"| {rss['noise_mib']:.2f} | {'yes' if rss['flat'] else 'NO'} | "
             f"{r['fds'][0]:.0f}-{r['fds'][1]:.0f} | {r['threads'][0]:.0f}-{r['threads'][1]:.0f}"
-            f" | {r['swap_mib'][0]:.1f}-{r['swap_mib'][1]:.1f} |"
+            f" | {r['swap_mib'][0]:.1f}-{r['swap_mib'][1]:.1f} | "
+            f"{r['shm_mapped_mib'][0]:.1f}-{r['shm_mapped_mib'][1]:.1f} |"
         )
     shm, ckpt = summary["shm_used_mib"], summary["checkpoints_mib"]
     lines.append("")
     lines.append(
-        f"/dev/shm used over the second half: {shm[0]:.1f}-{shm[1]:.1f} MiB; zerotrain segment "
+        f"/dev/shm used machine-wide (other jobs included) over the second half: "
+        f"{shm[0]:.1f}-{shm[1]:.1f} MiB; zerotrain segment "
         f"names at most {summary['shm_names_max']:.0f}; checkpoint directory "
         f"{ckpt[0]:.1f}-{ckpt[1]:.1f} MiB; loss {summary['loss'][0]:.3f} -> "
         f"{summary['loss'][1]:.3f}"
