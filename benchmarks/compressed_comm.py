@@ -96,12 +96,10 @@ SYSTEMS = (
     "adamw",
     "onebitadam",
     "zerooneadam",
-    "zerooneadam-v32",
     "zerooneadam-v64",
     "lamb",
     "onebitlamb",
     "powersgd",
-    "zerooneadam-v64-local",
 )
 
 
@@ -323,6 +321,20 @@ def convergence(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def plot(args: argparse.Namespace) -> dict[str, Any]:
+    """One figure and summary from convergence runs done in pieces (the same options)."""
+    merged: dict[str, Any] = {"systems": {}}
+    for path in args.inputs:
+        part = json.loads(Path(path).read_text())
+        if "options" in merged and part["options"] != merged["options"]:
+            raise SystemExit(f"{path} was run with other options: {part['options']}")
+        merged["options"] = part["options"]
+        merged["systems"] |= part["systems"]
+    _plot(merged, Path(args.png))
+    _summarise(merged)
+    return merged
+
+
 def _write(results: dict[str, Any], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(results, indent=1))
@@ -453,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--png", default="benchmarks/compressed_convergence.png")
     p.add_argument("--json")
+    p = sub.add_parser("plot", help="merge convergence JSONs (a run done in pieces) and plot")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--png", default="benchmarks/compressed_convergence.png")
+    p.add_argument("--json")
     p = sub.add_parser("network")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--freeze", type=int, default=2)
@@ -463,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    results = {"codec": codec, "convergence": convergence, "network": network}[args.what](args)
+    steps = {"codec": codec, "convergence": convergence, "network": network, "plot": plot}
+    results = steps[args.what](args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
