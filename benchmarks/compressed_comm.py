@@ -11,9 +11,11 @@ slow link.
   on accelerators), in GB/s of fp32 input (pack) or output (unpack); median of 5.
 * ``convergence``: the demo GPT on 4 ranks for 300 steps (same data, betas (0.9, 0.95) and
   learning-rate schedule, a 30-step warm-up then linear decay, for every system): AdamW,
-  1-bit Adam and 0/1 Adam (freeze at 20%), LAMB and 1-bit LAMB (freeze at 20%), and PyTorch
-  DDP + AdamW with the PowerSGD hook (rank 4, one bucket, compression from the same step).
-  Loss curves as a PNG; the final loss is the mean of the last 20 steps.
+  1-bit Adam and 0/1 Adam (freeze at 20%; 0/1 Adam with DeepSpeed's var_update_scaler and
+  with 64), LAMB and 1-bit LAMB (freeze at 20%), and PyTorch DDP + AdamW with the PowerSGD
+  hook (rank 4, one bucket, compression from the same step). Loss curves as a PNG; the final
+  loss is the mean of the last 20 steps, printed against each system's baseline.
+* ``plot``: the PNG and summary from convergence JSONs of a run done in pieces.
 * ``network``: two hosts (network namespaces) joined by a link throttled to ``--rate`` with
   ``tc tbf``, one rank each, a ~25M-parameter GPT: seconds per step after the freeze and
   bytes per step (the link's own counters, and ``comm_stats()``), AdamW vs 1-bit Adam vs
