@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zerotrain.utils.memory import current_rss_bytes
+
 FIELDS = (
     "step",
     "seconds",
@@ -85,13 +87,6 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
-def _rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _shm_mapped_mib() -> float:
     """This process's own shared-memory segments: the /dev/shm files it maps (each counted
     once), named or already unlinked. Unlike /dev/shm's usage, other jobs on the machine do
@@ -113,7 +108,7 @@ def _swap_dirs(nvme: Path, rank: int) -> list[Path]:
 
 def _sample(rank: int, nvme: Path, checkpoints: Path) -> dict[str, float]:
     row = {
-        "rss_mib": _rss_mib(),
+        "rss_mib": current_rss_bytes() / 2**20,
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": len(os.listdir("/proc/self/task")),
         "swap_mib": sum(_tree_bytes(p) for p in _swap_dirs(nvme, rank)) / 2**20,
