@@ -28,7 +28,7 @@ _LOOSE_ENABLED_BY_FLAG = (
     "hybrid_engine",
     "nebula",
 )
-_LOOSE_ENABLED_BY_PRESENCE = ("sparse_attention", "compression_training")
+_LOOSE_ENABLED_BY_PRESENCE = ("compression_training",)
 
 # zero_optimization keys that only act at a given stage or above.
 _ZERO_KEYS_FROM_STAGE = MappingProxyType(

@@ -380,6 +380,43 @@ class NonFiniteGradientsConfig(Section):
     max_consecutive_skips: PositiveInt = 10
 
 
+class SparseAttentionConfig(Section):
+    """``sparse_attention``: DeepSpeed's block-sparse layout keys (see
+    docs/sparse_attention.md). Defaults are DeepSpeed's; ``attention`` and the mode-specific
+    ``num_random_blocks`` default per mode (None here). zerotrain adds ``seed`` (random
+    blocks; every rank builds the same layout) and ``kernel`` (``auto``, ``blocked``,
+    ``flex``), and the ``local`` mode (DeepSpeed's LocalSlidingWindowSparsityConfig)."""
+
+    mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer", "local"] = "fixed"
+    block: PositiveInt = 16
+    different_layout_per_head: Bool = False
+    num_local_blocks: PositiveInt | None = None
+    num_global_blocks: PositiveInt | None = None
+    attention: Literal["unidirectional", "bidirectional"] | None = None
+    horizontal_global_attention: Bool | None = None
+    num_different_global_patterns: PositiveInt | None = None
+    num_random_blocks: NonNegativeInt | None = None
+    local_window_blocks: list[PositiveInt] | None = None
+    global_block_indices: list[NonNegativeInt] | None = None
+    global_block_end_indices: list[NonNegativeInt] | None = None
+    num_sliding_window_blocks: PositiveInt | None = None
+    seed: NonNegativeInt = 0
+    kernel: Literal["auto", "blocked", "flex"] = "auto"
+
+    @model_validator(mode="after")
+    def _layout_is_valid(self) -> SparseAttentionConfig:
+        # The layout class's own checks (num_local_blocks % num_global_blocks, horizontal
+        # global only when bidirectional, ...), at load time rather than at the first step.
+        from zerotrain.sparse_attention.from_config import sparsity_config_from_dict
+
+        try:
+            sparsity_config_from_dict(self.model_dump(exclude_unset=True), num_heads=1)
+        except ValueError as err:
+            # The loader prefixes the section's path already.
+            raise ValueError(str(err).removeprefix("sparse_attention: ")) from None
+        return self
+
+
 class ZeroTrainConfig(Section):
     """The whole config. Batch sizes are resolved against the world size by ``batch.py``."""
 
@@ -427,7 +464,7 @@ class ZeroTrainConfig(Section):
 
     # Features zerotrain does not implement (yet): accepted, reported when enabled.
     amp: LooseSection | None = None
-    sparse_attention: LooseSection | None = None
+    sparse_attention: SparseAttentionConfig | None = None
     curriculum_learning: LooseSection | None = None
     data_efficiency: LooseSection | None = None
     progressive_layer_drop: LooseSection | None = None

@@ -43,6 +43,7 @@ from zerotrain.engine.pipeline_setup import (
     tied_groups,
 )
 from zerotrain.engine.sequence_setup import distinct_random_streams, route_attention
+from zerotrain.engine.sparse_setup import setup_sparse_attention
 from zerotrain.engine.telemetry import predict_memory, telemetry_policy
 from zerotrain.engine.tensor_setup import split_model, tensor_plan
 from zerotrain.offload.manager import Offload
@@ -330,6 +331,8 @@ def initialize(
     zero = ZeroPolicy.for_stage(policies.training.stage)
     # Every rank of a stage must hold the same layers (pipeline stages differ).
     _check_same_model(comm if pipe_module is not None else world, model, world)
+    if cfg.sparse_attention is not None:
+        setup_sparse_attention(model, cfg.sparse_attention, groups)
     plan = _tensor_parallel_plan(cfg, model, groups)
     # The ranks that start from the same values: every ZeRO replica and every rank of a
     # tensor group (which then keeps its slices, or replicates compute without a plan).

@@ -33,12 +33,13 @@ def _additive(mask: torch.Tensor, mode: str) -> torch.Tensor:
 
 def _as_4d(t: torch.Tensor, name: str, batch: int, heads: int, length: int) -> torch.Tensor:
     # (L, L), (h, L, L) or (b, h, L, L) with b in {1, B}, h in {1, H} -> 4-D.
+    given = tuple(t.shape)
     while 2 <= t.dim() < 4:
         t = t.unsqueeze(0)
     shape_ok = t.dim() == 4 and t.shape[2:] == (length, length)
     if not shape_ok or t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads):
         raise ValueError(
-            f"{name} has shape {tuple(t.shape)}; allowed: ({length}, {length}), "
+            f"{name} has shape {given}; allowed: ({length}, {length}), "
             f"(1|{heads}, {length}, {length}) or (1|{batch}, 1|{heads}, {length}, {length})"
         )
     return t
@@ -88,18 +89,16 @@ class SparseSelfAttention(nn.Module):
         self.key_padding_mask_mode = key_padding_mask_mode
         self.attn_mask_mode = attn_mask_mode
         self.max_seq_length = max_seq_length
-        self.causal = (
-            sparsity_config.attention == "unidirectional" if causal is None else causal
-        )
+        self.causal = sparsity_config.attention == "unidirectional" if causal is None else causal
         self.kernel = kernel
         block = sparsity_config.block
         padded = math.ceil(max_seq_length / block) * block
         # Not persistent: the layout is a pure function of the config (random blocks are
         # seeded), so checkpoints do not carry it and every rank builds the same one.
-        self.register_buffer(
-            "master_layout", sparsity_config.make_layout(padded), persistent=False
-        )
+        self.register_buffer("master_layout", sparsity_config.make_layout(padded), persistent=False)
         self._tables: dict[tuple[int, str], BlockTable] = {}
+
+    master_layout: torch.Tensor
 
     def extra_repr(self) -> str:
         return (
@@ -156,7 +155,9 @@ class SparseSelfAttention(nn.Module):
                 sequence longer than ``max_seq_length``.
         """
         if query.dim() != 4:
-            raise ValueError(f"query must be (batch, heads, seq, head_dim); got {tuple(query.shape)}")
+            raise ValueError(
+                f"query must be (batch, heads, seq, head_dim); got {tuple(query.shape)}"
+            )
         batch, heads, length, dim = query.shape
         if key.shape != query.shape and key.shape[-1] == length:
             key = key.transpose(-1, -2)

@@ -105,4 +105,4 @@ def flex_block_sparse_attention(
     out = _compiled_flex()(
         q, k, v, score_mod=None if plain else score_mod, block_mask=block_mask, scale=scale
     )
-    return out  # type: ignore[no-any-return]
+    return out

@@ -1,6 +1,6 @@
 """Block-sparsity layouts of self-attention, with DeepSpeed's class names, arguments and checks.
 
-A layout is an integer tensor of shape ``(num_heads, num_blocks, num_blocks)``: entry
+A layout is an int8 tensor of shape ``(num_heads, num_blocks, num_blocks)``: entry
 ``[h, i, j] == 1`` means that in head ``h`` the queries of block ``i`` attend to the keys of
 block ``j``. Each class builds one family of patterns (Sparse Transformer "fixed", BigBird,
 Longformer, ...) exactly as DeepSpeed 0.19.5 and earlier built it, so a model trained with
@@ -88,7 +88,8 @@ class SparsityConfig:
         self.seed = seed
 
     def setup_layout(self, seq_len: int) -> torch.Tensor:
-        """An all-zero ``(num_heads, seq_len // block, seq_len // block)`` int64 layout.
+        """An all-zero ``(num_heads, seq_len // block, seq_len // block)`` int8 layout
+        (DeepSpeed's was int64: 8x the memory for a tensor quadratic in the block count).
 
         Raises:
             ValueError: ``seq_len`` is not a multiple of ``block``.
@@ -99,7 +100,7 @@ class SparsityConfig:
                 "(SparseSelfAttention pads other lengths itself)"
             )
         num_blocks = seq_len // self.block
-        return torch.zeros((self.num_heads, num_blocks, num_blocks), dtype=torch.int64)
+        return torch.zeros((self.num_heads, num_blocks, num_blocks), dtype=torch.int8)
 
     def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
         """Copy head 0's layout to every head unless each head has its own."""
@@ -203,9 +204,10 @@ class FixedSparsityConfig(SparsityConfig):
     def set_global_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         """Each window's representative blocks, counted from the window's end for head 0."""
         num_blocks = layout.shape[1]
-        first = self.num_local_blocks - (
-            1 + h % self.num_different_global_patterns
-        ) * self.num_global_blocks
+        first = (
+            self.num_local_blocks
+            - (1 + h % self.num_different_global_patterns) * self.num_global_blocks
+        )
         full_windows_end = num_blocks - (num_blocks % self.num_local_blocks)
         starts = list(range(first, full_windows_end, self.num_local_blocks))
         if full_windows_end < num_blocks:
@@ -228,7 +230,7 @@ class FixedSparsityConfig(SparsityConfig):
 
 
 class VariableSparsityConfig(SparsityConfig):
-    """"Fixed" extended with random blocks, windows of varying sizes and explicit global blocks.
+    """ "Fixed" extended with random blocks, windows of varying sizes and explicit global blocks.
 
     ``local_window_blocks`` lists the sizes of the first windows; the last size repeats to the
     end. ``global_block_indices`` (with optional exclusive ``global_block_end_indices``) name
@@ -323,9 +325,7 @@ class VariableSparsityConfig(SparsityConfig):
         return self.check_and_propagate_first_head_layout(layout)
 
 
-def _sliding_window(
-    layout: torch.Tensor, h: int, window: int, causal: bool
-) -> torch.Tensor:
+def _sliding_window(layout: torch.Tensor, h: int, window: int, causal: bool) -> torch.Tensor:
     num_blocks = layout.shape[1]
     if num_blocks < window:
         raise ValueError(
