@@ -34,6 +34,7 @@ FORBIDDEN = {
         "checkpoint",
         "parallel",
         "cli",
+        "sparse_attention",
     },
     "comm": {
         "shard",
@@ -55,6 +56,19 @@ FORBIDDEN = {
     "utils": {"comm", "shard", "zero", "engine", "checkpoint", "cli", "config", "optim"},
     "checkpoint": {"cli", "engine"},
     "zero": {"engine", "checkpoint", "cli"},
+    # Attention kernels and layouts: plain torch, usable without an engine or a process group.
+    "sparse_attention": {
+        "comm",
+        "shard",
+        "zero",
+        "offload",
+        "optim",
+        "engine",
+        "checkpoint",
+        "parallel",
+        "cli",
+        "config",
+    },
 }
 
 # (importing file, imported package): violations that exist today, to be removed. None left;

@@ -398,20 +398,35 @@ def test_section_errors_and_unused_key_warning(caplog):
     assert "num_random_blocks has no effect in mode 'dense'" in caplog.text
 
 
-def test_config_file_section_is_validated_when_loaded():
-    with pytest.raises(ConfigError, match=r"num_local_blocks .4. must be divisible by"):
-        load_config({"sparse_attention": {"num_local_blocks": 4, "num_global_blocks": 3}})
-    with pytest.raises(ConfigError, match=r"sparse_attention.horizontal_global_attention"):
-        load_config(
-            {
-                "sparse_attention": {
-                    "attention": "unidirectional",
-                    "horizontal_global_attention": True,
-                }
-            }
-        )
+def test_config_file_section_is_typed_when_loaded():
+    # Keys and value types at load; combinations when initialize builds the layout (above).
     with pytest.raises(ConfigError, match=r"sparse_attention.blocks"):
         load_config({"sparse_attention": {"blocks": 16}})
+    with pytest.raises(ConfigError, match=r"sparse_attention.attention"):
+        load_config({"sparse_attention": {"attention": "causal"}})
+    with pytest.raises(ConfigError, match=r"sparse_attention.mode"):
+        load_config({"sparse_attention": {"mode": "sparse"}})
     cfg = load_config({"sparse_attention": {"mode": "bslongformer", "kernel": "blocked"}})
     assert cfg.sparse_attention is not None
     assert cfg.sparse_attention.kernel == "blocked"
+
+
+# -- FlexAttention (compiled; forward only on CPU) ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_flex_kernel_matches_blocked_in_inference_and_refuses_cpu_training():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    cfg = BigBirdSparsityConfig(2, 16, True, num_random_blocks=1, attention="unidirectional")
+    blocked_attn = SparseSelfAttention(cfg, "mul", max_seq_length=128, kernel="blocked")
+    flex_attn = SparseSelfAttention(cfg, "mul", max_seq_length=128, kernel="flex")
+    q, k, v = (t.detach() for t in _inputs(1, 2, 120, 16))
+    keep = torch.ones(1, 120)
+    keep[0, -9:] = 0
+    pairs = torch.rand(120, 120, generator=torch.Generator().manual_seed(1)) > 0.1
+    with torch.no_grad():
+        want = blocked_attn(q, k, v, key_padding_mask=keep, attn_mask=pairs)
+        got = flex_attn(q, k, v, key_padding_mask=keep, attn_mask=pairs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="'flex' cannot train on CPU"):
+        flex_attn(q.requires_grad_(True), k, v)

@@ -385,7 +385,9 @@ class SparseAttentionConfig(Section):
     docs/sparse_attention.md). Defaults are DeepSpeed's; ``attention`` and the mode-specific
     ``num_random_blocks`` default per mode (None here). zerotrain adds ``seed`` (random
     blocks; every rank builds the same layout) and ``kernel`` (``auto``, ``blocked``,
-    ``flex``), and the ``local`` mode (DeepSpeed's LocalSlidingWindowSparsityConfig)."""
+    ``flex``), and the ``local`` mode (DeepSpeed's LocalSlidingWindowSparsityConfig).
+    Combinations (``num_local_blocks`` divisible by ``num_global_blocks``, ...) are checked by
+    the layout classes when ``initialize`` applies the section (config imports no layer)."""
 
     mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer", "local"] = "fixed"
     block: PositiveInt = 16
@@ -402,19 +404,6 @@ class SparseAttentionConfig(Section):
     num_sliding_window_blocks: PositiveInt | None = None
     seed: NonNegativeInt = 0
     kernel: Literal["auto", "blocked", "flex"] = "auto"
-
-    @model_validator(mode="after")
-    def _layout_is_valid(self) -> SparseAttentionConfig:
-        # The layout class's own checks (num_local_blocks % num_global_blocks, horizontal
-        # global only when bidirectional, ...), at load time rather than at the first step.
-        from zerotrain.sparse_attention.from_config import sparsity_config_from_dict
-
-        try:
-            sparsity_config_from_dict(self.model_dump(exclude_unset=True), num_heads=1)
-        except ValueError as err:
-            # The loader prefixes the section's path already.
-            raise ValueError(str(err).removeprefix("sparse_attention: ")) from None
-        return self
 
 
 class ZeroTrainConfig(Section):

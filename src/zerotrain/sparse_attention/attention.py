@@ -31,6 +31,22 @@ def _additive(mask: torch.Tensor, mode: str) -> torch.Tensor:
     return mask.float()
 
 
+def _dense_mask(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    # An L x L mask that only keeps or removes stays a bool keep-mask (a quarter of float32's
+    # memory, and no float copy at all for a bool input); an additive one becomes float.
+    if mode == "mul" or mask.dtype == torch.bool:
+        return mask if mask.dtype == torch.bool else mask != 0
+    return mask.float()
+
+
+def _pad_square(t: torch.Tensor, extra: int, value: float | bool) -> torch.Tensor:
+    if not extra:
+        return t
+    padded = t.new_full((*t.shape[:-2], t.shape[-2] + extra, t.shape[-1] + extra), value)
+    padded[..., : t.shape[-2], : t.shape[-1]] = t
+    return padded
+
+
 def _as_4d(t: torch.Tensor, name: str, batch: int, heads: int, length: int) -> torch.Tensor:
     # (L, L), (h, L, L) or (b, h, L, L) with b in {1, B}, h in {1, H} -> 4-D.
     given = tuple(t.shape)
@@ -95,7 +111,9 @@ class SparseSelfAttention(nn.Module):
         padded = math.ceil(max_seq_length / block) * block
         # Not persistent: the layout is a pure function of the config (random blocks are
         # seeded), so checkpoints do not carry it and every rank builds the same one.
-        self.register_buffer("master_layout", sparsity_config.make_layout(padded), persistent=False)
+        # Kept as bool (DeepSpeed: int64), 8x smaller: it is (H, nb, nb) for the longest length.
+        layout = sparsity_config.make_layout(padded).bool()
+        self.register_buffer("master_layout", layout, persistent=False)
         self._tables: dict[tuple[int, str], BlockTable] = {}
 
     master_layout: torch.Tensor
@@ -139,7 +157,8 @@ class SparseSelfAttention(nn.Module):
 
         Args:
             query, value: ``(B, H, L, D)``.
-            key: ``(B, H, L, D)``, or ``(B, H, D, L)`` already transposed (as DeepSpeed allows).
+            key: ``(B, H, L, D)``, or ``(B, H, D, L)`` already transposed (as DeepSpeed allows;
+                as there, when ``D == L`` a key is taken as not transposed).
             rpe: added to the scores; ``(L, L)``, ``(H, L, L)`` or ``(B, H, L, L)`` (1 for a
                 broadcast dimension); differentiated.
             key_padding_mask: ``(B, L)`` (or with singleton middle dimensions), per
@@ -211,8 +230,11 @@ class SparseSelfAttention(nn.Module):
             key_bias = F.pad(_additive(kp, self.key_padding_mask_mode), (0, extra))
         dense_bias = None
         if attn_mask is not None:
-            am = _as_4d(attn_mask, "attn_mask", batch, heads, length)
-            dense_bias = F.pad(_additive(am, self.attn_mask_mode), (0, extra, 0, extra))
+            am = _dense_mask(
+                _as_4d(attn_mask, "attn_mask", batch, heads, length), self.attn_mask_mode
+            )
+            # Padding positions are excluded by the kernel itself; any fill value does.
+            dense_bias = _pad_square(am, extra, True if am.dtype == torch.bool else 0.0)
         rpe4 = None
         if rpe is not None:
             rpe4 = F.pad(_as_4d(rpe, "rpe", batch, heads, length), (0, extra, 0, extra))

@@ -98,8 +98,8 @@ class Extras:
 
     Attributes:
         key_bias: ``(B, Lp)`` additive key-padding mask, or None.
-        dense_bias: ``(b, h, Lp, Lp)`` additive attention mask (``b`` in {1, B}, ``h`` in
-            {1, H}), or None.
+        dense_bias: ``(b, h, Lp, Lp)`` attention mask (``b`` in {1, B}, ``h`` in {1, H}):
+            additive float, or a bool keep-mask; or None.
         rpe: ``(b, h, Lp, Lp)`` relative position term, differentiated, or None.
     """
 
@@ -160,7 +160,11 @@ class _Chunk:
         if extras.key_bias is not None:
             scores = scores + extras.key_bias[:, self.kpos].unsqueeze(3).to(acc)
         if extras.dense_bias is not None:
-            scores = scores + _gather_dense(extras.dense_bias, heads, self.qpos, self.kpos).to(acc)
+            part = _gather_dense(extras.dense_bias, heads, self.qpos, self.kpos)
+            if part.dtype == torch.bool:
+                allowed = allowed & part  # (b, H, R, bs, K*bs) keep-mask
+            else:
+                scores = scores + part.to(acc)
         if extras.rpe is not None:
             scores = scores + _gather_dense(extras.rpe, heads, self.qpos, self.kpos).to(acc)
         self.scores = scores.masked_fill(~allowed, float("-inf"))

@@ -87,7 +87,11 @@ def flex_block_sparse_attention(
         if dense_bias is not None:
             bi = 0 if single_batch["d"] else b
             hi = 0 if single_head["d"] else h
-            score = score + dense_bias[bi, hi, q_idx, kv_idx]
+            term = dense_bias[bi, hi, q_idx, kv_idx]
+            if dense_bias.dtype == torch.bool:
+                score = torch.where(term, score, float("-inf"))
+            else:
+                score = score + term
         if rpe is not None:
             bi = 0 if single_batch["r"] else b
             hi = 0 if single_head["r"] else h

@@ -9,7 +9,8 @@ GPT-2, Llama and most recent architectures), without touching their modules or w
 * an attention function named :data:`ATTN_IMPLEMENTATION` is registered with
   ``AttentionInterface``, and ``sdpa_mask`` under the same name with ``AttentionMaskInterface``,
   so the function receives the model's mask as a boolean ``(B, 1, L, L)`` keep-mask (or None
-  where there is no padding: the layout's direction then supplies the causality);
+  where there is no padding: the layout's direction then supplies the causality); a mask that
+  is only padding reaches the kernel as a ``(B, L)`` key mask, not as a dense ``L x L`` bias;
 * the model is switched to it with ``model.set_attn_implementation``;
 * the ``SparseSelfAttention`` (one, shared by every layer: the layout is the same) is found
   from the calling attention module through a weak side table; nothing is set on the modules.
@@ -46,11 +47,14 @@ ATTN_IMPLEMENTATION = "zerotrain_block_sparse"
 DEFAULT_MAX_SEQ_LENGTH_CAP = 8192
 """Most tokens the default ``max_seq_length`` allows (the layout grows with its square)."""
 
-SUPPORTED = (
+_SUPPORTED = (
     "transformers models whose attention layers go through the attention interface (BERT, "
     "RoBERTa, GPT-2, Llama, ...: those that accept model.set_attn_implementation(...)), "
     "self-attention only (no cross-attention, encoder-decoder or multimodal sub-configs)"
 )
+
+# Config keys of attention dropout (BERT/RoBERTa, GPT-2, Llama-style).
+_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
 
 # Learned absolute position tables, by attribute name (BERT/RoBERTa, GPT-2, OPT-style).
 _POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
@@ -211,7 +215,7 @@ def sparse_attention_for_hf(
     if reason is not None:
         raise ValueError(
             f"cannot swap sparse attention into {type(model).__name__}: {reason}. "
-            f"Supported: {SUPPORTED}"
+            f"Supported: {_SUPPORTED}"
         )
     config: Any = cast(Any, model).config
     heads = int(config.num_attention_heads)
@@ -226,14 +230,8 @@ def sparse_attention_for_hf(
     if isinstance(layout, DenseSparsityConfig) and model_causal is not None:
         causal = model_causal  # dense has no direction to disagree with
     elif model_causal is not None and causal != model_causal:
-        want, kind = (
-            ("unidirectional", "causal decoder")
-            if model_causal
-            else (
-                "bidirectional",
-                "bidirectional encoder",
-            )
-        )
+        kind = "causal decoder" if model_causal else "bidirectional encoder"
+        want = "unidirectional" if model_causal else "bidirectional"
         raise ValueError(
             f"{type(model).__name__} is a {kind} but the sparsity config has "
             f"attention={layout.attention!r}; build it with attention={want!r}"
@@ -256,6 +254,14 @@ def sparse_attention_for_hf(
         causal=causal,
         kernel=kernel_name,
     )
+    dropout = {k: getattr(config, k) for k in _DROPOUT_KEYS if getattr(config, k, 0) or 0}
+    if dropout:
+        _log.warning(
+            "sparse attention in %s: attention dropout %s is configured but the sparse kernel "
+            "has none; a forward in training mode will raise (set it to 0 to train)",
+            type(model).__name__,
+            ", ".join(f"{k}={v}" for k, v in dropout.items()),
+        )
     _register()
     for sub in model.modules():
         _SPARSE[sub] = attention
