@@ -333,7 +333,6 @@ def test_enabled_unbuilt_features_are_listed_by_key():
             "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
             "optimizer": {"type": "Lion", "params": {"lr": 1e-4}},
-            "sparse_attention": {"mode": "fixed"},
         }
     )
     found = "\n".join(not_implemented(cfg))
@@ -341,7 +340,6 @@ def test_enabled_unbuilt_features_are_listed_by_key():
         "fp16.fp16_master_weights_and_grads=true",
         "optimizer.type=lion with offload: the offloaded step runs adam or adamw",
         "optimizer.type=Lion",
-        "sparse_attention",
     ):
         assert key in found
 
