@@ -255,7 +255,9 @@ def test_every_layout_matches_dense_with_the_same_mask(block, attention, per_hea
             attn = SparseSelfAttention(cfg, max_seq_length=6 * block)
             q, k, v = _inputs(2, heads, length, 8, seed=block + length)
             out = attn(q, k, v)
-            ref = _dense(q, k, v, _element_mask(attn, length))
+            # PyTorch's own attention with the layout applied as an explicit L x L mask.
+            mask = _element_mask(attn, length)
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             _assert_same(out, ref, (q, k, v))
             # The layout is really sparse (apart from dense) and really used.
             if not isinstance(cfg, DenseSparsityConfig):
