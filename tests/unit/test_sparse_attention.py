@@ -342,6 +342,11 @@ def test_bad_inputs_are_named():
 def test_layout_is_not_in_the_state_dict_but_a_deepspeed_one_is_checked():
     attn = SparseSelfAttention(FixedSparsityConfig(2, 16), max_seq_length=64)
     assert "master_layout" not in attn.state_dict()
+    # Heads that share the layout keep one copy; DeepSpeed's (H, nb, nb) view is still there.
+    assert attn.layout_heads.shape == (1, 4, 4)
+    assert attn.master_layout.shape == (2, 4, 4)
+    per_head = SparseSelfAttention(FixedSparsityConfig(2, 16, True), max_seq_length=64)
+    assert per_head.layout_heads.shape == (2, 4, 4)
     attn.load_state_dict({"master_layout": attn.master_layout.clone()})
     wrong = torch.zeros_like(attn.master_layout)
     with pytest.raises(RuntimeError, match="master_layout in the checkpoint differs"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from zerotrain.sparse_attention.blocked import BlockTable, Extras, block_sparse_attention
 from zerotrain.sparse_attention.flex import flex_available, flex_block_sparse_attention
-from zerotrain.sparse_attention.sparsity_config import SparsityConfig
+from zerotrain.sparse_attention.sparsity_config import BUILT_IN_LAYOUTS, SparsityConfig
 
 MASK_MODES = ("add", "mul")
 KERNELS = ("auto", "blocked", "flex")
@@ -59,6 +60,17 @@ def _as_4d(t: torch.Tensor, name: str, batch: int, heads: int, length: int) -> t
             f"(1|{heads}, {length}, {length}) or (1|{batch}, 1|{heads}, {length}, {length})"
         )
     return t
+
+
+def _build_layout(config: SparsityConfig, seq_len: int) -> torch.Tensor:
+    # The built-in classes copy head 0 to every head unless different_layout_per_head: build
+    # and keep that one head, (1, nb, nb) (1/H of the time and memory at long lengths).
+    shared = not config.different_layout_per_head and config.num_heads > 1
+    if not shared or type(config) not in BUILT_IN_LAYOUTS:
+        return config.make_layout(seq_len).bool()
+    one = copy.copy(config)
+    one.num_heads = 1
+    return one.make_layout(seq_len).bool()
 
 
 class SparseSelfAttention(nn.Module):
@@ -111,12 +123,20 @@ class SparseSelfAttention(nn.Module):
         padded = math.ceil(max_seq_length / block) * block
         # Not persistent: the layout is a pure function of the config (random blocks are
         # seeded), so checkpoints do not carry it and every rank builds the same one.
-        # Kept as bool (DeepSpeed: int64), 8x smaller: it is (H, nb, nb) for the longest length.
-        layout = sparsity_config.make_layout(padded).bool()
-        self.register_buffer("master_layout", layout, persistent=False)
+        # Kept as bool (DeepSpeed: int64), and as one head when every head shares it: the
+        # layout is quadratic in the block count.
+        self.register_buffer(
+            "layout_heads", _build_layout(sparsity_config, padded), persistent=False
+        )
         self._tables: dict[tuple[int, str], BlockTable] = {}
 
-    master_layout: torch.Tensor
+    layout_heads: torch.Tensor
+
+    @property
+    def master_layout(self) -> torch.Tensor:
+        """The ``(num_heads, nb, nb)`` bool layout for ``max_seq_length`` (DeepSpeed's name);
+        a view of one head expanded when every head shares it."""
+        return self.layout_heads.expand(self.sparsity_config.num_heads, -1, -1)
 
     def extra_repr(self) -> str:
         return (
@@ -129,7 +149,8 @@ class SparseSelfAttention(nn.Module):
         key = (padded_length, str(device))
         if key not in self._tables:
             nb = padded_length // self.sparsity_config.block
-            layout = self.master_layout[:, :nb, :nb].cpu()
+            heads = self.sparsity_config.num_heads
+            layout = self.layout_heads[:, :nb, :nb].cpu().expand(heads, -1, -1)
             table = BlockTable.from_layout(layout, self.sparsity_config.block, self.causal)
             self._tables[key] = table.to(device)
         return self._tables[key]

@@ -65,10 +65,13 @@ class BlockTable:
     def from_layout(layout: torch.Tensor, block: int, causal: bool) -> BlockTable:
         """Index the non-zero blocks of a ``(H, nb, nb)`` layout (blocks above the diagonal
         are dropped when ``causal``: no query in them could use a key)."""
-        keep = layout.bool()
+        heads = layout.shape[0]
+        # One head expanded to all (stride 0): index it once and repeat the small table.
+        shared = heads > 1 and layout.stride(0) == 0
+        keep = (layout[:1] if shared else layout).bool()
         if causal:
             keep = torch.tril(keep)
-        heads, nb, _ = keep.shape
+        _, nb, _ = keep.shape
         # From the non-zero entries only (row-major, so columns come out ascending): linear
         # in the number of kept blocks, where sorting each row would be quadratic in nb.
         counts = keep.sum(-1)  # (H, nb)
@@ -77,11 +80,15 @@ class BlockTable:
         row_id = nz[:, 0] * nb + nz[:, 1]
         row_start = torch.cumsum(counts.flatten(), 0) - counts.flatten()
         slot = torch.arange(nz.shape[0]) - row_start[row_id]
-        cols = torch.zeros(heads * nb, width, dtype=torch.long)
-        valid = torch.zeros(heads * nb, width, dtype=torch.bool)
+        cols = torch.zeros(keep.shape[0] * nb, width, dtype=torch.long)
+        valid = torch.zeros(keep.shape[0] * nb, width, dtype=torch.bool)
         cols[row_id, slot] = nz[:, 2]
         valid[row_id, slot] = True
-        cols, valid = cols.view(heads, nb, width), valid.view(heads, nb, width)
+        rows = 1 if shared else heads
+        cols, valid = cols.view(rows, nb, width), valid.view(rows, nb, width)
+        if shared:
+            cols = cols.expand(heads, -1, -1).contiguous()
+            valid = valid.expand(heads, -1, -1).contiguous()
         flat = cols + torch.arange(heads).view(heads, 1, 1) * nb
         return BlockTable(block=block, cols=cols, valid=valid, flat=flat)
 

@@ -490,3 +490,16 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
         for h in range(self.num_layout_heads):
             self.set_sliding_window_layout(h, layout)
         return self.check_and_propagate_first_head_layout(layout)
+
+
+BUILT_IN_LAYOUTS: frozenset[type[SparsityConfig]] = frozenset(
+    {
+        DenseSparsityConfig,
+        FixedSparsityConfig,
+        VariableSparsityConfig,
+        BigBirdSparsityConfig,
+        BSLongformerSparsityConfig,
+        LocalSlidingWindowSparsityConfig,
+    }
+)
+"""Layout classes whose heads are copies of head 0 unless ``different_layout_per_head``."""
