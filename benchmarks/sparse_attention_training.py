@@ -109,8 +109,9 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         ax.plot(np.arange(len(smooth)) + 10, smooth, style, lw=1.2, label=label)
     density = results["density"]
     ax.set_title(
-        f"Demo GPT, seq {results['options']['seq']}, 2 ranks ZeRO-2: BigBird "
-        f"{100 * density:.1f}% dense vs dense"
+        f"Demo GPT, seq {results['options']['seq']}, 2 ranks, ZeRO-2: BigBird "
+        f"({100 * density:.1f}% of the matrix) vs dense attention",
+        fontsize=10,
     )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (10-step mean)")
