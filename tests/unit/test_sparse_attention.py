@@ -437,3 +437,24 @@ def test_flex_kernel_matches_blocked_in_inference_and_refuses_cpu_training():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="'flex' cannot train on CPU"):
         flex_attn(q.requires_grad_(True), k, v)
+
+
+def test_gpt_swap_reads_the_section_and_refuses_attention_dropout():
+    from zerotrain.examples.gpt import GPT, GPTConfig
+    from zerotrain.sparse_attention.swap import SparseCausalCore, sparse_attention_for_gpt
+
+    section = {"mode": "local", "block": 16, "max_seq_length": 48, "kernel": "blocked"}
+    model = sparse_attention_for_gpt(
+        GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=16)), section
+    )
+    cores = [block.attn.core for block in model.blocks]
+    assert all(isinstance(core, SparseCausalCore) for core in cores)
+    attention = cores[0].attention
+    assert attention is cores[1].attention  # one module, one layout, for every block
+    assert (attention.max_seq_length, attention.kernel, attention.causal) == (48, "blocked", True)
+    assert model(torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, 256)
+    with pytest.raises(ValueError, match="longer than max_seq_length=48"):
+        model(torch.zeros(1, 60, dtype=torch.long))
+    dropout = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.1))
+    with pytest.raises(ValueError, match="sparse attention has no attention dropout"):
+        sparse_attention_for_gpt(dropout, section)

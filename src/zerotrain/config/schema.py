@@ -384,8 +384,9 @@ class SparseAttentionConfig(Section):
     """``sparse_attention``: DeepSpeed's block-sparse layout keys (see
     docs/sparse_attention.md). Defaults are DeepSpeed's; ``attention`` and the mode-specific
     ``num_random_blocks`` default per mode (None here). zerotrain adds ``seed`` (random
-    blocks; every rank builds the same layout) and ``kernel`` (``auto``, ``blocked``,
-    ``flex``), and the ``local`` mode (DeepSpeed's LocalSlidingWindowSparsityConfig).
+    blocks; every rank builds the same layout), ``kernel`` (``auto``, ``blocked``,
+    ``flex``) and ``max_seq_length`` (default: the model's), and the ``local`` mode
+    (DeepSpeed's LocalSlidingWindowSparsityConfig).
     Combinations (``num_local_blocks`` divisible by ``num_global_blocks``, ...) are checked by
     the layout classes when ``initialize`` applies the section (config imports no layer)."""
 
@@ -404,6 +405,7 @@ class SparseAttentionConfig(Section):
     num_sliding_window_blocks: PositiveInt | None = None
     seed: NonNegativeInt = 0
     kernel: Literal["auto", "blocked", "flex"] = "auto"
+    max_seq_length: PositiveInt | None = None
 
 
 class ZeroTrainConfig(Section):

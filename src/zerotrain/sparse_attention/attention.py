@@ -214,7 +214,8 @@ class SparseSelfAttention(nn.Module):
         if length > self.max_seq_length:
             raise ValueError(
                 f"sequence length {length} is longer than max_seq_length="
-                f"{self.max_seq_length}; build SparseSelfAttention with a larger max_seq_length"
+                f"{self.max_seq_length}; build SparseSelfAttention with a larger max_seq_length "
+                "(the sparse_attention section's max_seq_length key when initialize built it)"
             )
         block = self.sparsity_config.block
         padded = math.ceil(length / block) * block

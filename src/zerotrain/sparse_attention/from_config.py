@@ -82,7 +82,7 @@ _MODE_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     }
 )
 # zerotrain's own keys, valid in every mode (see SparseAttentionConfig in config/schema.py).
-ZEROTRAIN_KEYS = ("seed", "kernel")
+ZEROTRAIN_KEYS = ("seed", "kernel", "max_seq_length")
 ALL_KEYS = tuple(
     sorted({"mode", *ZEROTRAIN_KEYS, *(k for keys in _MODE_KEYS.values() for k in keys)})
 )

@@ -237,6 +237,8 @@ def sparse_attention_for_hf(
             f"attention={layout.attention!r}; build it with attention={want!r}"
         )
     limit = _position_limit(model)
+    if max_seq_length is None and isinstance(sparsity, Mapping):
+        max_seq_length = sparsity.get("max_seq_length")  # the section's (zerotrain key)
     if max_seq_length is None:
         known = limit if limit is not None else getattr(config, "max_position_embeddings", None)
         max_seq_length = min(int(known or 2048), DEFAULT_MAX_SEQ_LENGTH_CAP)

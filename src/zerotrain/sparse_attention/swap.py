@@ -59,7 +59,8 @@ def sparse_attention_for_gpt(
         model: a :class:`zerotrain.examples.gpt.GPT`.
         sparsity: a layout class built for ``n_head`` heads, or a ``sparse_attention``
             section (DeepSpeed keys).
-        max_seq_length: longest sequence (default: the model's ``block_size``).
+        max_seq_length: longest sequence (default: the section's ``max_seq_length``, else the
+            model's ``block_size``).
         kernel: ``"auto"``, ``"blocked"`` or ``"flex"`` (default: the section's, else auto).
 
     Returns:
@@ -71,6 +72,9 @@ def sparse_attention_for_gpt(
     """
     cfg = model.cfg
     config, section_kernel = _resolve(sparsity, cfg.n_head)
+    section_length = (
+        None if isinstance(sparsity, SparsityConfig) else sparsity.get("max_seq_length")
+    )
     if config.num_heads != cfg.n_head:
         raise ValueError(
             f"sparsity config has num_heads={config.num_heads}; the model has {cfg.n_head}"
@@ -90,7 +94,7 @@ def sparse_attention_for_gpt(
             )
     attention = SparseSelfAttention(
         config,
-        max_seq_length=max_seq_length or cfg.block_size,
+        max_seq_length=max_seq_length or section_length or cfg.block_size,
         causal=True,
         kernel=kernel or section_kernel,
     )
