@@ -79,10 +79,8 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
             "did you mean 'stage3_param_persistence_threshold'?",
         ),
     ),
-    "microsoft__DeepSpeedExamples__QANet-Pytorch__ds_bsz512_1cycle.json": (
-        "not_implemented",
-        ("scheduler.type=OneCycle",),
-    ),
+    # OneCycle with stairs and a post-cycle decay (tests/unit/test_cyclic_schedules.py).
+    "microsoft__DeepSpeedExamples__QANet-Pytorch__ds_bsz512_1cycle.json": (TRAINS, ()),
     # 1-bit Adam with fp16; trains on 2 and 4 ranks (also below).
     "microsoft__DeepSpeedExamples__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json": (
         TRAINS,

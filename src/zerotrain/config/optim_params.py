@@ -209,6 +209,40 @@ class WarmupCosineLRParams(Section):
     last_batch_iteration: Int = -1
 
 
+class OneCycleParams(Section):
+    """OneCycle (DeepSpeed's 1Cycle): lr from ``cycle_min_lr`` up to ``cycle_max_lr`` over
+    ``cycle_first_step_size`` steps and back over ``cycle_second_step_size`` (default: the
+    same), in stairs when the stair counts are above 0; then divided by ``1 + decay_lr_rate *
+    t / decay_step_size``. With ``cycle_momentum`` the first beta moves the opposite way
+    between ``cycle_max_mom`` and ``cycle_min_mom`` (the second beta becomes 0.99, as in
+    DeepSpeed)."""
+
+    cycle_min_lr: Float
+    cycle_max_lr: Float
+    decay_lr_rate: Float = 0.0
+    cycle_first_step_size: PositiveInt = 2000
+    cycle_second_step_size: NonNegativeInt | None = None
+    cycle_first_stair_count: NonNegativeInt = 0
+    cycle_second_stair_count: NonNegativeInt | None = None
+    decay_step_size: NonNegativeInt = 0
+    cycle_momentum: Bool = True
+    cycle_min_mom: Float = 0.8
+    cycle_max_mom: Float = 0.9
+    decay_mom_rate: Float = 0.0
+    last_batch_iteration: Int = -1
+
+
+class LRRangeTestParams(Section):
+    """LRRangeTest: lr = ``lr_range_test_min_lr * (1 + lr_range_test_step_rate * t /
+    lr_range_test_step_size)`` (``t / step_size`` floored with ``lr_range_test_staircase``)."""
+
+    lr_range_test_min_lr: LrOrList = 1e-3
+    lr_range_test_step_size: PositiveInt = 2000
+    lr_range_test_step_rate: Float = 1.0
+    lr_range_test_staircase: Bool = False
+    last_batch_iteration: Int = -1
+
+
 OPTIMIZER_PARAMS: Mapping[str, type[Section]] = MappingProxyType(
     {
         "adam": AdamParams,
@@ -235,9 +269,11 @@ SCHEDULER_PARAMS: Mapping[str, type[Section]] = MappingProxyType(
         "WarmupLR": WarmupLRParams,
         "WarmupDecayLR": WarmupDecayLRParams,
         "WarmupCosineLR": WarmupCosineLRParams,
+        "OneCycle": OneCycleParams,
+        "LRRangeTest": LRRangeTestParams,
     }
 )
-SCHEDULERS_NOT_IMPLEMENTED = ("OneCycle", "LRRangeTest")
+SCHEDULERS_NOT_IMPLEMENTED: tuple[str, ...] = ()
 
 # Canonical spellings for messages.
 OPTIMIZER_DISPLAY = MappingProxyType(

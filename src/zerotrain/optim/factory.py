@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -13,8 +14,9 @@ from zerotrain.config.errors import closest
 from zerotrain.config.policies import OptimizerSpec, SchedulerSpec
 from zerotrain.optim.adam import Adam
 from zerotrain.optim.base import FlatOptimizer
+from zerotrain.optim.cyclic_schedules import LRRangeTest, OneCycle
 from zerotrain.optim.lamb import Lamb, NormReducer
-from zerotrain.optim.schedulers import SCHEDULERS
+from zerotrain.optim.schedulers import Schedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerotrain.optim.sgd import SGD
 
 # Config keys that choose a kernel in DeepSpeed; zerotrain chooses its own.
@@ -127,6 +129,17 @@ def rebuild_over_flat(
     # decoupled_weight_decay); the param groups above carry every entry anyway.
     accepted = inspect.signature(cls.__init__).parameters
     return cls(param_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+SCHEDULERS: Mapping[str, type[Schedule]] = MappingProxyType(
+    {
+        "WarmupLR": WarmupLR,
+        "WarmupDecayLR": WarmupDecayLR,
+        "WarmupCosineLR": WarmupCosineLR,
+        "OneCycle": OneCycle,
+        "LRRangeTest": LRRangeTest,
+    }
+)
 
 
 def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> Any:

@@ -9,8 +9,7 @@ DeepSpeed; loss curves therefore line up with runs of the same config there.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch
 LrSpec = float | Sequence[float]
 
 
-def _per_group(optimizer: torch.optim.Optimizer, value: LrSpec, name: str) -> list[float]:
+def per_group(optimizer: torch.optim.Optimizer, value: LrSpec, name: str) -> list[float]:
     groups = len(optimizer.param_groups)
     if isinstance(value, Sequence):
         if len(value) != groups:
@@ -51,7 +50,7 @@ def _warmup_fraction(iteration: int, warmup_steps: int, kind: str) -> float:
     return iteration / warmup_steps
 
 
-class _Schedule:
+class Schedule:
     """Sets each param group's lr from ``lrs_at(last_batch_iteration)``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int) -> None:
@@ -93,7 +92,7 @@ class _Schedule:
         self._apply()
 
 
-class WarmupLR(_Schedule):
+class WarmupLR(Schedule):
     """lr rises from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``, then
     stays at ``warmup_max_lr`` (default: each param group's lr when the schedule is built).
     ``warmup_num_steps=0`` starts at ``warmup_max_lr``."""
@@ -109,11 +108,11 @@ class WarmupLR(_Schedule):
     ) -> None:
         self.warmup_num_steps = _warmup_steps(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
-        self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
+        self.min_lrs = per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         if warmup_max_lr is None:
             self.max_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         else:
-            self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
+            self.max_lrs = per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         super().__init__(optimizer, last_batch_iteration)
 
     def _gamma(self, iteration: int) -> float:
@@ -159,7 +158,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, remaining / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
-class WarmupCosineLR(_Schedule):
+class WarmupCosineLR(Schedule):
     """The optimizer's lr times a ratio that rises from ``warmup_min_ratio`` to 1 over
     ``warmup_num_steps``, then follows a half cosine down to ``cos_min_ratio`` at
     ``total_num_steps`` and stays there."""
@@ -198,12 +197,3 @@ class WarmupCosineLR(_Schedule):
     def lrs_at(self, iteration: int) -> list[float]:
         ratio = self.ratio_at(iteration)
         return [lr * ratio for lr in self.base_lrs]
-
-
-SCHEDULERS: Mapping[str, type[_Schedule]] = MappingProxyType(
-    {
-        "WarmupLR": WarmupLR,
-        "WarmupDecayLR": WarmupDecayLR,
-        "WarmupCosineLR": WarmupCosineLR,
-    }
-)
