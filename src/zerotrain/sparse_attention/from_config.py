@@ -127,3 +127,14 @@ def sparsity_config_from_dict(section: Mapping[str, Any], num_heads: int) -> Spa
     kwargs = {k: given[k] for k in used if k in given}
     seed = given.get("seed", 0)
     return MODES[mode](num_heads, **kwargs, seed=seed)
+
+
+def resolve_sparsity(
+    sparsity: SparsityConfig | Mapping[str, Any], num_heads: int, kernel: str | None = None
+) -> tuple[SparsityConfig, str]:
+    """A layout class (kept as given, or built from a section) and the kernel to use:
+    ``kernel`` if given, else the section's ``kernel`` key, else ``"auto"``."""
+    if isinstance(sparsity, SparsityConfig):
+        return sparsity, kernel or "auto"
+    config = sparsity_config_from_dict(sparsity, num_heads)
+    return config, kernel or str(sparsity.get("kernel") or "auto")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from zerotrain.sparse_attention.attention import SparseSelfAttention
-from zerotrain.sparse_attention.from_config import sparsity_config_from_dict
+from zerotrain.sparse_attention.from_config import resolve_sparsity
 from zerotrain.sparse_attention.sparsity_config import DenseSparsityConfig, SparsityConfig
 from zerotrain.utils.logging import get_logger
 
@@ -170,15 +170,6 @@ def _position_limit(model: nn.Module) -> int | None:
     return None
 
 
-def _resolve(
-    sparsity: SparsityConfig | Mapping[str, Any], num_heads: int, kernel: str | None
-) -> tuple[SparsityConfig, str]:
-    if isinstance(sparsity, SparsityConfig):
-        return sparsity, kernel or "auto"
-    config = sparsity_config_from_dict(sparsity, num_heads)
-    return config, kernel or str(sparsity.get("kernel") or "auto")
-
-
 def sparse_attention_for_hf(
     model: ModelT,
     sparsity: SparsityConfig | Mapping[str, Any],
@@ -219,7 +210,7 @@ def sparse_attention_for_hf(
         )
     config: Any = cast(Any, model).config
     heads = int(config.num_attention_heads)
-    layout, kernel_name = _resolve(sparsity, heads, kernel)
+    layout, kernel_name = resolve_sparsity(sparsity, heads, kernel)
     if layout.num_heads != heads:
         raise ValueError(
             f"the sparsity config has num_heads={layout.num_heads} but "

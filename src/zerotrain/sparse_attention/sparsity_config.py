@@ -38,6 +38,22 @@ def _check_positive(name: str, value: int, minimum: int = 1) -> None:
         raise ValueError(f"sparse_attention.{name}={value!r}: must be an integer >= {minimum}")
 
 
+def _check_horizontal(attention: str, horizontal: bool) -> None:
+    if attention != "bidirectional" and horizontal:
+        raise ValueError(
+            "sparse_attention.horizontal_global_attention=true needs "
+            "attention='bidirectional' (a causal query block cannot attend to later blocks)"
+        )
+
+
+def _check_fits(name: str, count: int, num_blocks: int) -> None:
+    if num_blocks < count:
+        raise ValueError(
+            f"sparse_attention.{name}={count} is more than the {num_blocks} blocks of a row "
+            "at this sequence length"
+        )
+
+
 def _check_global_ranges(starts: Sequence[int], ends: Sequence[int] | None) -> None:
     if len(starts) == 0:
         raise ValueError("sparse_attention.global_block_indices=[]: give at least one index")
@@ -167,11 +183,7 @@ class FixedSparsityConfig(SparsityConfig):
                 f"num_global_blocks ({num_global_blocks})"
             )
         _check_attention(attention)
-        if attention != "bidirectional" and horizontal_global_attention:
-            raise ValueError(
-                "sparse_attention.horizontal_global_attention=true needs "
-                "attention='bidirectional' (a causal query block cannot attend to later blocks)"
-            )
+        _check_horizontal(attention, horizontal_global_attention)
         if num_different_global_patterns > 1 and not different_layout_per_head:
             raise ValueError(
                 f"sparse_attention.num_different_global_patterns={num_different_global_patterns} "
@@ -261,11 +273,7 @@ class VariableSparsityConfig(SparsityConfig):
             _check_positive("local_window_blocks[]", size)
         _check_global_ranges(global_block_indices, global_block_end_indices)
         _check_attention(attention)
-        if attention != "bidirectional" and horizontal_global_attention:
-            raise ValueError(
-                "sparse_attention.horizontal_global_attention=true needs "
-                "attention='bidirectional' (a causal query block cannot attend to later blocks)"
-            )
+        _check_horizontal(attention, horizontal_global_attention)
         self.num_random_blocks = num_random_blocks
         self.local_window_blocks = list(local_window_blocks)
         self.global_block_indices = list(global_block_indices)
@@ -278,11 +286,7 @@ class VariableSparsityConfig(SparsityConfig):
     def set_random_layout(self, h: int, layout: torch.Tensor, rng: random.Random) -> torch.Tensor:
         """``num_random_blocks`` distinct random key blocks per query block."""
         num_blocks = layout.shape[1]
-        if num_blocks < self.num_random_blocks:
-            raise ValueError(
-                f"sparse_attention.num_random_blocks={self.num_random_blocks} is more than the "
-                f"{num_blocks} blocks of a row at this sequence length"
-            )
+        _check_fits("num_random_blocks", self.num_random_blocks, num_blocks)
         for row in range(num_blocks):
             layout[h, row, rng.sample(range(num_blocks), self.num_random_blocks)] = 1
         return layout
@@ -327,11 +331,7 @@ class VariableSparsityConfig(SparsityConfig):
 
 def _sliding_window(layout: torch.Tensor, h: int, window: int, causal: bool) -> torch.Tensor:
     num_blocks = layout.shape[1]
-    if num_blocks < window:
-        raise ValueError(
-            f"sparse_attention.num_sliding_window_blocks={window} is more than the {num_blocks} "
-            "blocks of a row at this sequence length"
-        )
+    _check_fits("num_sliding_window_blocks", window, num_blocks)
     half = window // 2
     for row in range(num_blocks):
         start = max(0, row - half)
@@ -368,11 +368,7 @@ class BigBirdSparsityConfig(SparsityConfig):
     def set_random_layout(self, h: int, layout: torch.Tensor, rng: random.Random) -> torch.Tensor:
         """Random key blocks per row, only among earlier blocks when unidirectional."""
         num_blocks = layout.shape[1]
-        if num_blocks < self.num_random_blocks:
-            raise ValueError(
-                f"sparse_attention.num_random_blocks={self.num_random_blocks} is more than the "
-                f"{num_blocks} blocks of a row at this sequence length"
-            )
+        _check_fits("num_random_blocks", self.num_random_blocks, num_blocks)
         for row in range(num_blocks):
             population = num_blocks if self.attention == "bidirectional" else row + 1
             # Fewer candidates than draws (early causal rows): take them all, as a sample of
@@ -388,11 +384,7 @@ class BigBirdSparsityConfig(SparsityConfig):
     def set_global_layout_itc(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         """The first ``num_global_blocks`` blocks attend to and are attended by everything."""
         num_blocks = layout.shape[1]
-        if num_blocks < self.num_global_blocks:
-            raise ValueError(
-                f"sparse_attention.num_global_blocks={self.num_global_blocks} is more than the "
-                f"{num_blocks} blocks of a row at this sequence length"
-            )
+        _check_fits("num_global_blocks", self.num_global_blocks, num_blocks)
         layout[h, : self.num_global_blocks, :] = 1
         layout[h, :, : self.num_global_blocks] = 1
         if self.attention == "unidirectional":

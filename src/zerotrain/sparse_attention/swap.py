@@ -17,7 +17,7 @@ from torch import nn
 
 from zerotrain.examples.gpt import GPT, CausalCore, CausalSelfAttention
 from zerotrain.sparse_attention.attention import SparseSelfAttention
-from zerotrain.sparse_attention.from_config import sparsity_config_from_dict
+from zerotrain.sparse_attention.from_config import resolve_sparsity
 from zerotrain.sparse_attention.sparsity_config import SparsityConfig
 from zerotrain.utils.logging import get_logger
 
@@ -33,14 +33,6 @@ class SparseCausalCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.attention(q, k, v)
-
-
-def _resolve(
-    sparsity: SparsityConfig | Mapping[str, Any], num_heads: int
-) -> tuple[SparsityConfig, str]:
-    if isinstance(sparsity, SparsityConfig):
-        return sparsity, "auto"
-    return sparsity_config_from_dict(sparsity, num_heads), str(sparsity.get("kernel") or "auto")
 
 
 def sparse_attention_for_gpt(
@@ -71,7 +63,7 @@ def sparse_attention_for_gpt(
             layout's head count is not the model's.
     """
     cfg = model.cfg
-    config, section_kernel = _resolve(sparsity, cfg.n_head)
+    config, kernel_name = resolve_sparsity(sparsity, cfg.n_head, kernel)
     section_length = (
         None if isinstance(sparsity, SparsityConfig) else sparsity.get("max_seq_length")
     )
@@ -96,7 +88,7 @@ def sparse_attention_for_gpt(
         config,
         max_seq_length=max_seq_length or section_length or cfg.block_size,
         causal=True,
-        kernel=kernel or section_kernel,
+        kernel=kernel_name,
     )
     # One module for every layer: the layout is the same, and its buffer is built once.
     for attn in cores:
