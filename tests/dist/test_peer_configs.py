@@ -25,6 +25,7 @@ PEER_DIR = _SHARED if _SHARED.is_dir() else _VENDORED
 TRAINS = "trains"
 INIT_ERROR = "init_error"  # valid and implemented, but initialize() rejects it as written
 TRAINS_WITH_ATTENTION = "trains_with_attention"  # sparse_attention: needs an attention model
+TRAINS_WITH_BLOCKS = "trains_with_blocks"  # random-LTD: needs a model with its 24 blocks
 # file -> (outcome, substrings the message must contain)
 EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "LambdaLabsML__distributed-training-guide__05-sharding-deepspeed__ds_config.json": (TRAINS, ()),
@@ -70,7 +71,13 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__curriculum_learning__ds_zero_stage_2_config_curriculum_fixed_linear.json": (
         "config_error",
-        ("line 34", "'CONFIG_CL_MIN'", "placeholder"),
+        (
+            "line 34",
+            "'CONFIG_CL_MIN'",
+            "placeholder",
+            "'CONFIG_CL_MAX' (line 35)",
+            "'CONFIG_CL_DURATION' (line 38)",
+        ),
     ),
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json": (
         "config_error",
@@ -101,9 +108,10 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "microsoft__DeepSpeedExamples__cifar__ds_config_onebitlamb.json": (TRAINS, ()),
     "microsoft__DeepSpeedExamples__pipeline_parallelism__ds_config.json": (TRAINS, ()),
+    # random-LTD on 22 of 24 layers: needs a 24-block transformer (a tiny GPT-2, below).
     "microsoft__DeepSpeedExamples__training__data_efficiency__gpt_finetuning__config__ds_config_gpt_medium_random_ltd.json": (
-        "not_implemented",
-        ("data_efficiency",),
+        TRAINS_WITH_BLOCKS,
+        (),
     ),
     "microsoft__DeepSpeedExamples__training__imagenet__config__ds_fp16_z1_config.json": (
         "config_error",
@@ -142,7 +150,7 @@ def test_peer_config_outcome(name):
     else:
         cfg = load_config(str(path))
         message = "\n".join(not_implemented(cfg))
-        if outcome in (TRAINS, INIT_ERROR, TRAINS_WITH_ATTENTION):
+        if outcome in (TRAINS, INIT_ERROR, TRAINS_WITH_ATTENTION, TRAINS_WITH_BLOCKS):
             assert message == ""
         else:
             assert message, f"{name} should need an unbuilt feature"
@@ -230,6 +238,75 @@ def test_sparse_attention_peer_config_trains_a_bert():
     for result in run_distributed(_train_bert_with, 2, str(PEER_DIR / name), timeout=240):
         assert result["attention"] == "zerotrain_block_sparse"
         assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+def _train_gpt2_with(path: str) -> dict:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # 24 blocks as the config's total_layer_num says; sequences of 160 tokens, so its first
+    # kept length (128) drops tokens in layers 1-22.
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=160, n_embd=16, n_layer=24, n_head=2
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    engine, _, _, _ = zerotrain.initialize(model=model, config=path)
+    seen: list[int] = []
+    model.transformer.h[5].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((args or (kwargs["hidden_states"],))[0].shape[1]),
+        with_kwargs=True,
+    )
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(0, 64, (engine.train_micro_batch_size_per_gpu(), 160), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"losses": losses, "seen": seen}
+
+
+def test_random_ltd_peer_config_trains_a_gpt2():
+    (name,) = [n for n, (o, _) in EXPECTED.items() if o == TRAINS_WITH_BLOCKS]
+    for result in run_distributed(_train_gpt2_with, 2, str(PEER_DIR / name), timeout=240):
+        assert result["seen"] == [128, 128]  # layer 5 saw the kept tokens only
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+def _train_gpt_with_curriculum(path: str) -> list[int]:
+    import json
+
+    from zerotrain.examples.gpt import GPT, GPTConfig
+
+    # The placeholders filled in (the file's total_step is the legacy alias); its 512-sample
+    # batch shrunk to 2 per rank (batch arithmetic has its own tests).
+    text = Path(path).read_text()
+    for word, value in (
+        ("CONFIG_CL_MIN", "8"),
+        ("CONFIG_CL_MAX", "16"),
+        ("CONFIG_CL_DURATION", "4"),
+    ):
+        text = text.replace(word, value)
+    config = json.loads(text)
+    config["train_batch_size"] = 4
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16, bias=False))
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    seen: list[int] = []
+    model.blocks[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(5):
+        x = torch.randint(0, 256, (2, 17), generator=gen)
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+    return seen
+
+
+def test_curriculum_peer_config_trains_once_its_placeholders_are_filled():
+    name = next(n for n in EXPECTED if "curriculum_fixed_linear" in n)
+    for seen in run_distributed(_train_gpt_with_curriculum, 2, str(PEER_DIR / name)):
+        # fixed_linear 8 -> 16 over 4 steps in multiples of 8, evaluated at step + 1.
+        assert seen == [8, 8, 8, 16, 16]
 
 
 ONE_BIT = [n for n in sorted(EXPECTED) if "onebit" in n]

@@ -1,6 +1,6 @@
 """The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT,
 ``consolidate`` turns a sharded checkpoint into one safetensors file, ``estimate`` predicts
-per-rank memory of a ZeRO configuration."""
+per-rank memory of a ZeRO configuration, ``lr-find`` runs an LR range test on a script."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from zerotrain.cli import consolidate as consolidate_cmd
 from zerotrain.cli import demo as demo_cmd
 from zerotrain.cli import estimate as estimate_cmd
+from zerotrain.cli import lr_find as lr_find_cmd
 from zerotrain.cli import run as run_cmd
 
 
@@ -34,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="per-rank memory of a ZeRO configuration and the largest model that fits",
         )
     )
+    lr_find_cmd.add_lr_find_arguments(
+        sub.add_parser(
+            "lr-find",
+            help="LR range test: train a script with a rising lr, plot it, suggest a range",
+        )
+    )
     return parser
 
 
@@ -46,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return consolidate_cmd.run_consolidate(args)
     if args.command == "estimate":
         return estimate_cmd.run_estimate(args)
+    if args.command == "lr-find":
+        return lr_find_cmd.run_lr_find(args)
     return demo_cmd.demo(args)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from zerotrain.config import optim_params
+from zerotrain.config.efficiency import SEQLEN_METRICS
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.config.types import LooseSection
 
@@ -18,9 +19,6 @@ IMPLEMENTED_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 # Loose sections and the rule that says they are switched on.
 _LOOSE_ENABLED_BY_FLAG = (
     "amp",
-    "curriculum_learning",
-    "data_efficiency",
-    "progressive_layer_drop",
     "elasticity",
     "autotuning",
     "eigenvalue",
@@ -135,10 +133,48 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         found.append("dump_state=true: dump_state")
     if cfg.checkpoint.load_universal or cfg.checkpoint.use_node_local_storage:
         found.append("checkpoint.load_universal/use_node_local_storage: checkpoint options")
+    found += _data_efficiency_not_implemented(cfg)
     for name in (*_LOOSE_ENABLED_BY_FLAG, *_LOOSE_ENABLED_BY_PRESENCE):
         section = getattr(cfg, name)
         if section is not None and _loose_enabled(name, section):
             found.append(f"{name}: {name.replace('_', ' ')}")
+    return found
+
+
+def _data_efficiency_not_implemented(cfg: ZeroTrainConfig) -> list[str]:
+    """The parts of ``data_efficiency`` that need DeepSpeed's offline data analyzer (metric-
+    indexed sampling), named by key; the seqlen curriculum and random-LTD run."""
+    section = cfg.data_efficiency
+    if section is None or not (section.enabled and section.data_sampling.enabled):
+        return []
+    base = "data_efficiency.data_sampling.curriculum_learning"
+    curriculum = section.data_sampling.curriculum_learning
+    if not curriculum.enabled:
+        return []
+    found = []
+    analyzer = "metric-indexed sampling (needs DeepSpeed's offline data analyzer's index files)"
+    if curriculum.data_cluster_path:
+        found.append(f"{base}.data_cluster_path: {analyzer}")
+    for name, metric in curriculum.curriculum_metrics.items():
+        where = f"{base}.curriculum_metrics.{name}"
+        if name not in SEQLEN_METRICS:
+            found.append(
+                f"{where}: {analyzer}; the metrics that run are {', '.join(SEQLEN_METRICS)} "
+                "(sequence-length truncation)"
+            )
+            continue
+        for key in ("index_to_sample_path", "index_to_metric_path"):
+            if getattr(metric, key):
+                found.append(f"{where}.{key}: {analyzer}")
+        if metric.difficulty_type != "value" or metric.clustering_type != "single_cluster":
+            found.append(
+                f"{where}.difficulty_type/clustering_type: percentile difficulties and "
+                "schedule-based clusters are metric-indexed sampling"
+            )
+    if len(curriculum.curriculum_metrics) > 1:
+        found.append(f"{base}.curriculum_metrics: more than one metric at once")
+    if cfg.curriculum_learning is not None and cfg.curriculum_learning.enabled:
+        found.append(f"{base} together with the legacy curriculum_learning block")
     return found
 
 

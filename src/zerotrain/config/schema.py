@@ -12,6 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from zerotrain.config.efficiency import (
+    CurriculumLearningConfig,
+    DataEfficiencyConfig,
+    ProgressiveLayerDropConfig,
+)
 from zerotrain.config.types import (
     Bool,
     Float,
@@ -456,9 +461,9 @@ class ZeroTrainConfig(Section):
     # Features zerotrain does not implement (yet): accepted, reported when enabled.
     amp: LooseSection | None = None
     sparse_attention: SparseAttentionConfig | None = None
-    curriculum_learning: LooseSection | None = None
-    data_efficiency: LooseSection | None = None
-    progressive_layer_drop: LooseSection | None = None
+    curriculum_learning: CurriculumLearningConfig | None = None
+    data_efficiency: DataEfficiencyConfig | None = None
+    progressive_layer_drop: ProgressiveLayerDropConfig | None = None
     elasticity: LooseSection | None = None
     autotuning: LooseSection | None = None
     compression_training: LooseSection | None = None

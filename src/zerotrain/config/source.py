@@ -77,6 +77,10 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+# An unquoted word in a value position (``"key": WORD,``): a template placeholder.
+_BARE_VALUE = re.compile(r":\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?=[,}\]\n])")
+
+
 def _json_problem(text: str, err: json.JSONDecodeError) -> ConfigProblem:
     line_text = text.splitlines()[err.lineno - 1] if text.splitlines() else ""
     where = f"line {err.lineno}, column {err.colno}"
@@ -86,6 +90,13 @@ def _json_problem(text: str, err: json.JSONDecodeError) -> ConfigProblem:
             f"{where}: unquoted word '{word.group()}' is not JSON. It looks like a template "
             "placeholder that was never filled in; replace it with a value."
         )
+        others = [
+            f"'{m.group(1)}' (line {text.count(chr(10), 0, m.start(1)) + 1})"
+            for m in _BARE_VALUE.finditer(text)
+            if m.start(1) > err.pos and m.group(1) not in ("true", "false", "null")
+        ]
+        if others:
+            message += f" Later placeholders: {', '.join(others)}."
     else:
         message = f"{where}: {err.msg}"
     return ConfigProblem("<json>", f"{message}\n      {line_text.strip()}")

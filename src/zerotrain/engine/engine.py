@@ -36,7 +36,9 @@ from zerotrain.config.policies import PrecisionPolicy, TrainingPolicy
 from zerotrain.engine.accounting import MemoryBreakdown, memory_breakdown
 from zerotrain.engine.checkpoint_state import EngineCheckpointState
 from zerotrain.engine.data import DistributedDataLoader
+from zerotrain.engine.efficiency import EfficiencyQueries, TrainingEfficiency
 from zerotrain.engine.loss_window import LossWindow
+from zerotrain.engine.lr_find import LRRangeRecorder
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.engine.ranks import RankQueries
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
@@ -61,7 +63,7 @@ _RELEASED_IN_BACKWARD = (
 )
 
 
-class Engine(RankQueries, nn.Module):
+class Engine(RankQueries, EfficiencyQueries, nn.Module):
     """Wraps a model for data-parallel training; built by :func:`zerotrain.initialize`.
 
     Attributes:
@@ -116,6 +118,8 @@ class Engine(RankQueries, nn.Module):
         # initialize checkpointed the model's blocks (config activation_checkpointing.
         # block_types): destroy() undoes it.
         self.checkpointed_blocks = False
+        # Progressive layer drop, curriculum, random-LTD (initialize sets it from the config).
+        self.efficiency: TrainingEfficiency | None = None
         # The activation-checkpointing settings, buffers and counters of this engine,
         # active while it runs forward and backward (initialize sets them from the config).
         self.activation_checkpointing = checkpointing.default_context()
@@ -127,6 +131,8 @@ class Engine(RankQueries, nn.Module):
         self._grad_norm: torch.Tensor | None = None
         # This rank's micro-batch losses since the last periodic report, as a running sum.
         self.loss_window = LossWindow()
+        # Set by initialize under `zerotrain lr-find`: records each step, ends the sweep.
+        self.lr_find: LRRangeRecorder | None = None
         self.telemetry = Telemetry(
             telemetry or TelemetryPolicy(), env.device, comm.rank, memory_estimate
         )
@@ -140,6 +146,8 @@ class Engine(RankQueries, nn.Module):
         dtype = self.precision.compute
         if dtype is not None and self.precision.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), dtype)
+        if self.efficiency is not None:
+            args, kwargs = self.efficiency.before_forward(self, args, kwargs)
         self.telemetry.before_forward(self)
         with self.telemetry.phase("forward"), self.activation_checkpointing.active():
             return self.module(*args, **kwargs)
@@ -262,8 +270,13 @@ class Engine(RankQueries, nn.Module):
                 self.telemetry.wall_clock.move(
                     "step", "offload_io", offload.io_seconds() - io_before
                 )
+            if self.efficiency is not None:
+                self.efficiency.after_step(self.global_steps)  # before the increment, as DeepSpeed
             self.global_steps += 1
-            self.telemetry.after_step(self, self.loss_window.end_step())
+            losses = self.loss_window.end_step()
+            self.telemetry.after_step(self, losses)
+            if self.lr_find is not None:
+                self.lr_find.after_step(self, losses)
         self.micro_steps += 1
         self._backward_pending_step = False
 
@@ -485,6 +498,8 @@ class Engine(RankQueries, nn.Module):
         if self.checkpointed_blocks:
             checkpointing.remove(self.module)
             self.checkpointed_blocks = False
+        if self.efficiency is not None:
+            self.efficiency.remove()
         with torch.no_grad():
             for tensor, dtype in self._cast_back:
                 tensor.data = tensor.data.to(dtype)

@@ -32,7 +32,9 @@ from zerotrain.config.policies import ActivationCheckpointingPolicy, to_policies
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.engine.compressed_setup import check_compressed, is_compressed
 from zerotrain.engine.data import DistributedDataLoader
+from zerotrain.engine.efficiency import setup_training_efficiency
 from zerotrain.engine.engine import Engine
+from zerotrain.engine.lr_find import LRFindRequest, LRRangeRecorder
 from zerotrain.engine.optimizers import make_optimizer, make_scheduler
 from zerotrain.engine.param_groups import resolve_param_groups
 from zerotrain.engine.pipeline_engine import PipelineEngine
@@ -306,7 +308,9 @@ def initialize(
         raise TypeError("initialize() needs model=")
     if mpu is not None:
         raise NotImplementedError("model parallelism through mpu= is not implemented yet")
-    cfg = load_config(_config_from_args(config, config_params, args))
+    lr_find = LRFindRequest.from_env()  # `zerotrain lr-find` replaces the schedule
+    source = _config_from_args(config, config_params, args)
+    cfg = load_config(lr_find.override(source, lr_scheduler) if lr_find else source)
     _refuse_unimplemented(cfg)
 
     env = init_distributed()
@@ -333,6 +337,9 @@ def initialize(
     _check_same_model(comm if pipe_module is not None else world, model, world)
     if cfg.sparse_attention is not None:
         setup_sparse_attention(model, cfg.sparse_attention, groups)
+    efficiency = setup_training_efficiency(
+        model, cfg, groups, policies.training.batch.train_batch_size
+    )
     plan = _tensor_parallel_plan(cfg, model, groups)
     # The ranks that start from the same values: every ZeRO replica and every rank of a
     # tensor group (which then keeps its slices, or replicates compute without a plan).
@@ -450,6 +457,9 @@ def initialize(
         engine = Engine(*engine_args, groups=groups)
     engine.training_dataloader = loader
     engine.checkpointed_blocks = wrapped_blocks
+    if lr_find is not None:
+        engine.lr_find = LRRangeRecorder(lr_find, engine)
+    engine.efficiency = efficiency
     engine.activation_checkpointing = checkpoint_context
     batch = policies.training.batch
     log.info(

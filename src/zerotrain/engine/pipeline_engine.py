@@ -178,6 +178,8 @@ class PipelineEngine(Engine):
         try:
             if self.is_first_stage() or self.is_last_stage():
                 batches = self._next_batches(data_iter, count)
+                if self.efficiency is not None:  # the curriculum's length, on both ends
+                    batches = [self.efficiency.truncate_pair(b, self.global_steps) for b in batches]
                 if self.is_first_stage():
                     inputs = [b[0] for b in batches]
                     dtype = self.precision.compute
@@ -245,7 +247,10 @@ class PipelineEngine(Engine):
         self.global_steps += 1
         loss = self._batch_loss(losses)
         self.loss_window.add(loss)
-        self.telemetry.after_step(self, self.loss_window.end_step())
+        step_losses = self.loss_window.end_step()
+        self.telemetry.after_step(self, step_losses)
+        if self.lr_find is not None:
+            self.lr_find.after_step(self, step_losses)
         return loss
 
     @torch.no_grad()

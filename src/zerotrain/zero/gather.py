@@ -98,6 +98,10 @@ class ParamGatherer:
         self._storage = [self._partitioned(u) for u in self.units]
         self._pending: dict[int, Handle] = {}
         self._trace: list[int] = []  # units in the order the previous forward pass used them
+        self._modules = list(modules)
+        # Units the next forward pass will not run (progressive layer drop told us): never
+        # prefetched from the previous pass's order.
+        self._skipped: set[int] = set()
         self._current: list[int] = []
         self._in_forward = 0
         self.counts = [0] * len(self.units)
@@ -251,7 +255,13 @@ class ParamGatherer:
             return iter(())
         i = self._trace.index(u)
         order = self._trace[i + 1 :] if step > 0 else self._trace[:i][::-1]
-        return iter(order)
+        return iter(v for v in order if v not in self._skipped)
+
+    def skip_in_next_pass(self, modules: Sequence[nn.Module]) -> None:
+        """The next forward pass will not call ``modules`` (a dropped layer): their units
+        are not prefetched for it. Cleared when that pass ends."""
+        inside = {id(m) for module in modules for m in module.modules()}
+        self._skipped = {u for u, m in enumerate(self._modules) if id(m) in inside}
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -374,6 +384,7 @@ class ParamGatherer:
                 self._passes.discard(recorded)  # nothing to signal: no backward reaches it
             if not self._user_pins:  # a pass inside GatheredParameters may run on one rank
                 self._trace = self._current
+            self._skipped = set()
             self.free_all()  # prefetched units the pass did not use after all
 
     def _pre_backward(self, u: int, _grad: Any) -> None:

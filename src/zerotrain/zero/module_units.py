@@ -57,7 +57,10 @@ def _repeated_children(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         return None
     children = list(module.named_children())
-    if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+    # Compared by name: a block whose class was swapped for a same-named subclass (random-LTD
+    # on some layers, checkpointing, layer drop) is still one of the repeated blocks.
+    kinds = {(type(c).__module__, type(c).__qualname__) for _, c in children}
+    if len(children) < 2 or len(kinds) != 1:
         return None
     if not _runs_forward(children[0][1]) or not any(True for _ in children[0][1].parameters()):
         return None  # a list of containers: look inside them instead
