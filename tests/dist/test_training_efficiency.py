@@ -1,6 +1,7 @@
 """Progressive layer drop, curriculum learning and random-LTD under the engine: each trains
 exactly like one process of plain PyTorch on the whole global batch that makes the same
-drop draws / truncation by hand (1e-5, clipping active), at the ZeRO stages that stress
+drop draws / truncation by hand (1e-5, clipping active, through a loss spike: random
+targets at one step), at the ZeRO stages that stress
 them (stage 3: a dropped block is neither gathered nor reduced); the curriculum also through
 a pipeline, whose shapes change as the length grows."""
 
@@ -44,6 +45,18 @@ def _spec(stage: int, section: dict, steps: int = 6, model: GPTConfig = MODEL) -
     )
 
 
+SPIKE_STEP = 3  # random targets: a loss spike, with clipping hard at work
+
+
+def _batches(spec: RunSpec, world: int) -> torch.Tensor:
+    """The global batches of every step, step ``SPIKE_STEP``'s targets random tokens."""
+    batches = global_batches(spec, world).clone()
+    noise = torch.Generator().manual_seed(7)
+    spiked = batches[SPIKE_STEP, :, 1:]
+    spiked.copy_(torch.randint(0, spec.model.vocab_size, spiked.shape, generator=noise))
+    return batches
+
+
 def _train(spec: RunSpec) -> dict:
     """Runs on every rank: train, recording the engine's schedule values per step."""
     model = make_model(spec)
@@ -62,7 +75,7 @@ def _train(spec: RunSpec) -> dict:
 
         gatherer._issue = counted
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = global_batches(spec, world)
+    batches = _batches(spec, world)
     losses, thetas, lengths, dropped, unmatched = [], [], [], [], []
     for step in range(spec.steps):
         x, y = micro_batch(batches, spec, step, 0, rank, world)
@@ -98,7 +111,7 @@ def _reference(spec: RunSpec, world: int, block_step) -> dict:
     """One process, the whole global batch; ``block_step(model, x, step)`` runs the blocks."""
     model = make_model(spec)
     opt = reference_optimizer(spec, list(model.parameters()))
-    batches = global_batches(spec, world)
+    batches = _batches(spec, world)
     losses = []
     for step in range(spec.steps):
         x, y = batches[step, :, :-1], batches[step, :, 1:]
@@ -179,7 +192,7 @@ def test_curriculum_follows_the_schedule_and_matches_one_process():
     assert lengths == [8, 8, 12, 12, 16, 16]  # by hand: sqrt(.2)*12=5.4, sqrt(.6)*12=9.3, ...
     model = make_model(spec)
     opt = reference_optimizer(spec, list(model.parameters()))
-    batches = global_batches(spec, 2)
+    batches = _batches(spec, 2)
     ref_losses = []
     for step, length in enumerate(lengths):
         loss = model(batches[step, :, :-1][:, :length], batches[step, :, 1:][:, :length])
