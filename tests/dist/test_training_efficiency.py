@@ -211,6 +211,19 @@ def test_curriculum_follows_the_schedule_and_matches_one_process():
         assert_matches(result, reference)
 
 
+def test_data_efficiency_seqlen_truncate_metric_acts_like_the_legacy_block():
+    legacy = CURRICULUM["curriculum_learning"]
+    metric = {k: legacy[k] for k in ("min_difficulty", "max_difficulty", "schedule_type")}
+    metric["schedule_config"] = legacy["schedule_config"]
+    sampling = {
+        "enabled": True,
+        "curriculum_learning": {"enabled": True, "curriculum_metrics": {"seqlen_truncate": metric}},
+    }
+    spec = _spec(0, {"data_efficiency": {"enabled": True, "data_sampling": sampling}}, steps=5)
+    (result,) = run_distributed(_train, 1, spec)
+    assert result["seen"] == result["lengths"] == [_length(s) for s in range(5)]
+
+
 def _train_pipeline_with_curriculum(run: pipe.PipeRun) -> dict:
     module = pipe.pipeline_module(run.stages)
     config = {**run.config(1), **CURRICULUM}

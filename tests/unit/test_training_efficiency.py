@@ -444,3 +444,37 @@ def test_random_ltd_on_llama_carries_rotary_positions_with_the_tokens():
     torch.testing.assert_close(received["cos"], expected)
     assert torch.isfinite(out.loss)
     assert all(p.grad is not None for p in stack[2].parameters())
+
+
+class _SeqFirstBlock(nn.Module):
+    """A Megatron-style block on (seq, batch, hidden) with a (batch, 1, S, S) mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, hidden, attention_mask=None):
+        mixed = torch.einsum("bqk,kbh->qbh", attention_mask[:, 0], hidden)
+        return hidden + self.proj(mixed)
+
+
+def test_random_ltd_seq_batch_dim_gathers_hidden_and_mask():
+    torch.manual_seed(0)
+    block = _SeqFirstBlock()
+    reference = copy.deepcopy(block)
+    schedule = RandomLTDSchedule(3, 6, 100, 1, total_layers=1, ltd_layers=1, global_batch_size=2)
+    ltd = RandomLTD(schedule, seed=2, batch_first=False, mask_name="attention_mask")
+    apply_random_ltd([block], [0], ltd)
+    ltd.begin_forward(global_step=0, micro_step=0)
+    hidden = torch.randn(6, 2, 4)
+    mask = torch.rand(2, 1, 6, 6)
+    out = block(hidden, attention_mask=mask)
+    rows = ltd.indices(0, 2, 6, torch.device("cpu"))
+    expected = hidden.clone()
+    for b in range(2):
+        r = rows[b]
+        part = reference(hidden[r, b : b + 1], attention_mask=mask[b : b + 1][:, :, r][:, :, :, r])
+        expected[r, b] = part[:, 0]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    unchanged = [i for i in range(6) if i not in rows[0].tolist()]
+    assert torch.equal(out[unchanged, 0], hidden[unchanged, 0])  # dropped tokens pass through
