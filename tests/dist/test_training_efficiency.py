@@ -446,3 +446,36 @@ def test_models_that_take_deepspeeds_kwargs_receive_them():
         (True, pytest.approx(theta1), 12, 12),
     ]
     assert calls[3] == (False, 1.0, None, 16)
+
+
+def _resume_job(directory: str) -> dict:
+    spec = _spec(2, {"progressive_layer_drop": PLD, **CURRICULUM}, steps=6)
+
+    def fresh():
+        model = make_model(spec)
+        config = zerotrain_config(spec, dist.get_world_size())
+        return zerotrain.initialize(model=model, config=config)[0]
+
+    def steps(engine, first, last):
+        batches = _batches(spec, 1)
+        out = []
+        for step in range(first, last):
+            x, y = micro_batch(batches, spec, step, 0, 0, 1)
+            loss = engine(x, y)
+            out.append((loss.item(), engine.get_pld_theta(), engine.curriculum_seqlen))
+            engine.backward(loss)
+            engine.step()
+        return out
+
+    straight = steps(fresh(), 0, 6)
+    engine = fresh()
+    first = steps(engine, 0, 3)
+    engine.save_checkpoint(directory)
+    resumed = fresh()
+    resumed.load_checkpoint(directory)
+    return {"straight": straight, "resumed": first + steps(resumed, 3, 6)}
+
+
+def test_layer_drop_and_curriculum_resume_exactly(tmp_path):
+    (result,) = run_distributed(_resume_job, 1, str(tmp_path))
+    assert result["resumed"] == result["straight"]  # losses, theta and length, bit for bit

@@ -66,6 +66,13 @@ class ProgressiveLayerDrop:
         """Called at each optimizer step with the step count before it is incremented."""
         self.current_theta = pld_theta(global_step, self.theta, self.gamma)
 
+    def sync(self, global_steps: int) -> None:
+        """Set theta for an engine that has taken ``global_steps`` steps, as the updates
+        would have left it (1.0 before the first step): a resumed run continues exactly."""
+        self.current_theta = (
+            1.0 if global_steps == 0 else pld_theta(global_steps - 1, self.theta, self.gamma)
+        )
+
     def keep_probabilities(self) -> list[float]:
         """Each wrapped block's keep probability at the current theta."""
         count = len(self.blocks)

@@ -64,6 +64,7 @@ class TrainingEfficiency:
         if not engine.module.training:
             return args, kwargs
         if self.layer_drop is not None:
+            self.layer_drop.sync(engine.global_steps)  # also right after a checkpoint load
             if self.pass_pld:
                 kwargs = {**kwargs, **self.layer_drop.get_state()}
             else:
@@ -104,11 +105,15 @@ class EfficiencyQueries:
     """DeepSpeed's engine accessors of these features."""
 
     efficiency: TrainingEfficiency | None
+    global_steps: int
 
     def get_pld_theta(self) -> float | None:
         """Progressive layer drop's current theta (None when it is off)."""
         pld = self.efficiency.layer_drop if self.efficiency is not None else None
-        return pld.get_theta() if pld is not None else None
+        if pld is None:
+            return None
+        pld.sync(self.global_steps)
+        return pld.get_theta()
 
     @property
     def curriculum_seqlen(self) -> int | None:
