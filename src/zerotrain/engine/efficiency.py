@@ -167,7 +167,9 @@ def _curriculum(cfg: ZeroTrainConfig) -> CurriculumSchedule | None:
     )
 
 
-def _refuse_split(feature: str, model: nn.Module, groups: ProcessGroups) -> None:
+def refuse_split(feature: str, model: nn.Module, groups: ProcessGroups, note: str = "") -> None:
+    """Raise when the job splits layers or heads (tensor, sequence or pipeline parallelism),
+    which ``feature`` (built for whole layers) does not handle yet."""
     splits = {
         "tensor": groups.tensor.world_size,
         "sequence": groups.sequence.world_size,
@@ -177,8 +179,11 @@ def _refuse_split(feature: str, model: nn.Module, groups: ProcessGroups) -> None
     if used or isinstance(model, PipelineModule):
         raise ValueError(
             f"{feature} runs with data parallelism (any ZeRO stage) only; this job has "
-            f"{', '.join(used) or 'a PipelineModule'} (the curriculum works with all of them)"
+            f"{', '.join(used) or 'a PipelineModule'}{note}"
         )
+
+
+_CURRICULUM_NOTE = " (the curriculum works with all of them)"
 
 
 def _random_ltd(
@@ -194,7 +199,7 @@ def _random_ltd(
             f"{where}.layer_token_lr_schedule: DeepSpeed never implemented it (it raised "
             "NotImplementedError); use the scheduler section"
         )
-    _refuse_split(where, model, groups)
+    refuse_split(where, model, groups, _CURRICULUM_NOTE)
     path, stack = find_block_stack(model, section.block_types, where)
     if section.total_layer_num != len(stack):
         raise ValueError(
@@ -261,7 +266,7 @@ def setup_training_efficiency(
                 "its own layers"
             )
         else:
-            _refuse_split("progressive_layer_drop", model, groups)
+            refuse_split("progressive_layer_drop", model, groups, _CURRICULUM_NOTE)
             path, stack = find_block_stack(model, pld.block_types, "progressive_layer_drop")
             apply_layer_drop(list(stack), result.layer_drop)
             result.dropping_blocks = list(stack)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from torch import nn
 
 from zerotrain.config.schema import SparseAttentionConfig
+from zerotrain.engine.efficiency import refuse_split
 from zerotrain.parallel.groups import ProcessGroups
-from zerotrain.parallel.pipeline.module import PipelineModule
 from zerotrain.sparse_attention.swap import apply_sparse_attention
 from zerotrain.utils.logging import get_logger
 
@@ -31,16 +31,6 @@ def setup_sparse_attention(
             pipeline parallelism (each splits the heads or the layers the layout is built for;
             not implemented yet).
     """
-    splits = {
-        "tensor": groups.tensor.world_size,
-        "sequence": groups.sequence.world_size,
-        "pipe": groups.pipe.world_size,
-    }
-    used = [f"{name} parallel size {size}" for name, size in splits.items() if size > 1]
-    if used or isinstance(model, PipelineModule):
-        raise ValueError(
-            "sparse_attention runs with data parallelism (any ZeRO stage) only; this job has "
-            f"{', '.join(used) or 'a PipelineModule'}"
-        )
+    refuse_split("sparse_attention", model, groups)
     done = apply_sparse_attention(model, section.model_dump(exclude_unset=True))
     log.info("sparse_attention (mode %s, block %d): %s", section.mode, section.block, done)
