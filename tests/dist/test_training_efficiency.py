@@ -64,6 +64,17 @@ def _train(spec: RunSpec) -> dict:
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
     seen: list[int] = []
     model.blocks[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
+    # Units whose reduction had been launched when backward ended: with layers dropped
+    # they must not wait for gradients that never come.
+    launched_in_backward: list[int] = []
+    sync = engine.strategy.sync
+    launch_remaining = sync.launch_remaining
+
+    def recorded() -> None:
+        launched_in_backward.append(sync._next)
+        launch_remaining()
+
+    sync.launch_remaining = recorded
     gathered: list[str] = []  # stage 3: the units gathered in the current step
     gatherer = engine.strategy.gatherer
     if gatherer is not None:
@@ -104,6 +115,7 @@ def _train(spec: RunSpec) -> dict:
         "dropped": dropped,
         "unmatched": unmatched,
         "units": [unit.label for unit in engine.strategy.units],
+        "launched_in_backward": launched_in_backward,
     }
 
 
@@ -145,10 +157,11 @@ def _pld_blocks(model, h, step):
     return h
 
 
-def test_pld_at_stage_3_matches_one_process_with_the_same_draws():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pld_matches_one_process_with_the_same_draws(stage):
     # Blocks below the persistence threshold would stay gathered: 0 makes every one a unit
     # that is gathered around each use.
-    zero = {"stage": 3, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 0}
+    zero = {"stage": stage, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 0}
     spec = _spec(3, {"progressive_layer_drop": PLD, "zero_optimization": zero})
     reference = _reference(spec, 2, _pld_blocks)
     results = run_distributed(_train, 2, spec)
@@ -158,6 +171,10 @@ def test_pld_at_stage_3_matches_one_process_with_the_same_draws():
     assert sum(results[0]["dropped"]) >= 3  # layers were really dropped
     # Stage 3 gathered exactly the kept blocks (a dropped one is neither run nor prefetched).
     assert results[0]["unmatched"] == []
+    # Every step launched as many reductions while backward ran as the first one, which
+    # drops nothing (all units; at stage 3 all but the root, whose backward ends last).
+    launched, units = results[0]["launched_in_backward"], len(results[0]["units"])
+    assert launched == [units if stage < 3 else units - 1] * spec.steps
     # theta after step i is (1 - theta) * exp(-gamma * i) + theta (DeepSpeed's model test).
     expected = [
         0.5 * float(torch.tensor(-0.5 * i, dtype=torch.float64).exp()) + 0.5

@@ -52,6 +52,9 @@ class ProgressiveLayerDrop:
         self.seed = seed
         self.current_theta = 1.0
         self.blocks: list[nn.Module] = []
+        # Per block, the parameters nothing outside it uses: a dropped block's get no
+        # gradient (the engine tells the gradient reduction not to wait for them).
+        self.exclusive_params: list[list[nn.Parameter]] = []
         self._kept: list[bool] | None = None
 
     def get_theta(self) -> float:
@@ -77,6 +80,13 @@ class ProgressiveLayerDrop:
         """Each wrapped block's keep probability at the current theta."""
         count = len(self.blocks)
         return [keep_probability(i + 1, count, self.current_theta) for i in range(count)]
+
+    def dropped_params(self) -> list[nn.Parameter]:
+        """The parameters only the blocks this forward drops use."""
+        if self._kept is None or not self.exclusive_params:
+            return []
+        pairs = zip(self._kept, self.exclusive_params, strict=True)
+        return [p for kept, params in pairs if not kept for p in params]
 
     def begin_forward(self, micro_step: int) -> list[nn.Module]:
         """Draw this training forward's decisions; returns the blocks it drops."""
@@ -133,9 +143,24 @@ def _rescaled(hidden: Any, out: torch.Tensor, prob: float) -> torch.Tensor:
     return hidden + (out - hidden) / prob
 
 
-def apply_layer_drop(blocks: Sequence[nn.Module], controller: ProgressiveLayerDrop) -> None:
-    """Make each of ``blocks`` (in depth order) drop itself as ``controller`` decides."""
+def _exclusive_params(model: nn.Module, block: nn.Module) -> list[nn.Parameter]:
+    """``block``'s parameters that no module outside it holds (a weight tied to another
+    layer is not exclusive: the other layer still produces its gradient)."""
+    inside = {id(m) for m in block.modules()}
+    outside = {
+        id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)
+    }
+    return [p for p in block.parameters() if id(p) not in outside]
+
+
+def apply_layer_drop(
+    blocks: Sequence[nn.Module], controller: ProgressiveLayerDrop, model: nn.Module | None = None
+) -> None:
+    """Make each of ``blocks`` (in depth order) drop itself as ``controller`` decides.
+    ``model``: the whole model, to tell which parameters only the blocks use."""
     controller.blocks = list(blocks)
+    if model is not None:
+        controller.exclusive_params = [_exclusive_params(model, b) for b in blocks]
     for index, block in enumerate(blocks):
         swap_class(block, _LayerDropCall)
         block.__dict__["_zt_layer_drop"] = _Binding(controller, index)

@@ -72,6 +72,7 @@ class TrainingEfficiency:
                 gatherer = engine.strategy.gatherer
                 if gatherer is not None:
                     gatherer.skip_in_next_pass(dropped)
+                engine.strategy.expect_no_gradient(self.layer_drop.dropped_params())
         if self.curriculum is not None:
             length = self.curriculum.update(engine.global_steps + 1)
             args, kwargs = truncate_call(args, kwargs, length)
@@ -268,7 +269,7 @@ def setup_training_efficiency(
         else:
             refuse_split("progressive_layer_drop", model, groups, _CURRICULUM_NOTE)
             path, stack = find_block_stack(model, pld.block_types, "progressive_layer_drop")
-            apply_layer_drop(list(stack), result.layer_drop)
+            apply_layer_drop(list(stack), result.layer_drop, model)
             result.dropping_blocks = list(stack)
             log.info(
                 "progressive_layer_drop: %d blocks of %r (theta %g, gamma %g)",

@@ -73,6 +73,16 @@ class GradientSynchronizer:
         self._final = False
         self._in_backward = False  # between begin_backward and wait/abort
         self.on_outside_grad = on_outside_grad
+        # Parameters the next backward will not reach (a dropped layer), by unit and index:
+        # counted as ready from the start, so the units holding them are reduced while
+        # backward runs instead of after it.
+        self._where = {
+            id(param): (u, i)
+            for u, unit in enumerate(self.units)
+            for i, param in enumerate(unit.buffer.params)
+            if unit.trainable[i]
+        }
+        self._absent: set[tuple[int, int]] = set()
         self._hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
@@ -94,6 +104,21 @@ class GradientSynchronizer:
             self._remaining[u] = sum(unit.trainable)
             self._ready[u].clear()
             self._done[u] = False
+        for u, i in self._absent:
+            self._ready[u].add(i)
+            self._remaining[u] -= 1
+        for u in {u for u, _ in self._absent}:
+            # A unit none of whose parameters backward reaches has no module backward to
+            # report it done (stage 3): it is done now.
+            self._done[u] = self._remaining[u] == 0
+        self._absent = set()
+
+    def expect_no_gradient(self, params: Sequence[torch.Tensor]) -> None:
+        """The next backward pass will produce no gradient for ``params`` on any rank (their
+        module was skipped, the same way everywhere): their units need not wait for them.
+        A gradient that arrives anyway is still taken if its unit is not reduced yet, and
+        is an error if it is (as for any late gradient)."""
+        self._absent = {self._where[id(p)] for p in params if id(p) in self._where}
 
     def _before_grad(self, _grad: torch.Tensor) -> None:
         if not self._in_backward and self.on_outside_grad is not None:

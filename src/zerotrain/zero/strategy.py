@@ -288,6 +288,11 @@ class ZeroStrategy:
             unit.attach_grads()
         self.sync.begin_backward(boundary, requires_sync=self._requires_sync and not self._local)
 
+    def expect_no_gradient(self, params: Sequence[torch.Tensor]) -> None:
+        """The next backward pass reaches none of ``params`` on any rank (layers dropped
+        alike everywhere): their reductions need not wait for the end of backward."""
+        self.sync.expect_no_gradient(params)
+
     def _drop_outside_grads_if_zeroed(self) -> None:
         # Gradients of backward passes outside the engine stay in param.grad, where
         # model.zero_grad() clears them as in plain PyTorch. The optimizer returned by
