@@ -6,13 +6,17 @@ The public surface::
     loss = engine(batch); engine.backward(loss); engine.step()
 
 Stage 3 extras: ``zerotrain.zero.Init`` and ``zerotrain.zero.GatheredParameters``.
+DeepSpeed's script-level names: ``add_config_arguments``, ``init_distributed``,
+``zerotrain.utils.RepeatingLoader``, ``zerotrain.runtime.utils.set_random_seed``
+(``import zerotrain as deepspeed``; docs/migrating_from_deepspeed.md).
 Activation checkpointing: ``zerotrain.checkpointing.checkpoint`` / ``.apply``.
 """
 
-from zerotrain import checkpointing, zero
-from zerotrain.comm.env import init_distributed
+from zerotrain import accelerator, checkpointing, runtime, utils, zero
+from zerotrain.config.arguments import add_config_arguments
 from zerotrain.config.errors import ConfigError
 from zerotrain.config.loader import load_config
+from zerotrain.engine.distributed import init_distributed
 from zerotrain.engine.engine import Engine
 from zerotrain.engine.initialize import initialize
 
@@ -22,9 +26,13 @@ __all__ = [
     "ConfigError",
     "Engine",
     "__version__",
+    "accelerator",
+    "add_config_arguments",
     "checkpointing",
     "init_distributed",
     "initialize",
     "load_config",
+    "runtime",
+    "utils",
     "zero",
 ]

@@ -178,52 +178,165 @@ def _destroy_at_exit() -> None:
         gc.collect()
 
 
-def init_distributed(timeout: datetime.timedelta | float | None = None) -> DistEnv:
-    """Join the job's process group, creating it if needed.
+DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
+_BACKENDS = ("gloo", "nccl")
+# MPI launchers' variables for rank, size and local rank (Open MPI, then PMI/PMIx).
+_MPI_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMIX_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+
+
+def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
+    if timeout is None:
+        return default_timeout()
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def _backend_for(device: torch.device, wanted: str | None) -> str:
+    """The backend to use on ``device``: ``wanted`` if it can move its tensors."""
+    natural = "nccl" if device.type == "cuda" else "gloo"
+    if wanted is None:
+        return natural
+    if wanted not in _BACKENDS:
+        raise ValueError(
+            f"dist_backend {wanted!r} is not supported; zerotrain runs on {' or '.join(_BACKENDS)}"
+        )
+    if wanted == "nccl" and device.type != "cuda":
+        raise ValueError(
+            "dist_backend 'nccl' needs CUDA tensors, but this rank computes on the CPU "
+            "(no GPU, or ZEROTRAIN_DEVICE=cpu); use 'gloo' or leave dist_backend unset"
+        )
+    return wanted
+
+
+def _mpi_discovery(port: int) -> bool:
+    """Fill torchrun's variables from an MPI launcher's (``mpirun`` without torchrun), as
+    DeepSpeed's MPI discovery does; returns whether it did. DeepSpeed learned rank 0's host
+    through mpi4py; zerotrain needs MASTER_ADDR set for a job of several ranks."""
+    found = next((v for v in _MPI_VARS if v[0] in os.environ and v[1] in os.environ), None)
+    if found is None:
+        return False
+    rank_var, size_var, local_var = found
+    size = _env_int(size_var)
+    if "MASTER_ADDR" not in os.environ:
+        if size > 1:
+            raise RuntimeError(
+                f"launched by MPI ({rank_var}={os.environ[rank_var]}, {size_var}={size}) "
+                "without MASTER_ADDR: set MASTER_ADDR (rank 0's host) and MASTER_PORT on every "
+                "rank, e.g. mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=29500"
+            )
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ["RANK"] = os.environ[rank_var]
+    os.environ["WORLD_SIZE"] = str(size)
+    os.environ["LOCAL_RANK"] = os.environ.get(local_var, "0")
+    log.info(
+        "MPI discovery: rank %s of %d (local %s), rendezvous %s:%s",
+        os.environ["RANK"],
+        size,
+        os.environ["LOCAL_RANK"],
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+    )
+    return True
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: datetime.timedelta | float | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> DistEnv:
+    """Join the job's process group, creating it if needed (DeepSpeed's
+    ``deepspeed.init_distributed`` arguments; ``zerotrain.init_distributed`` adds its
+    ``config``).
 
     With torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, all ranks
-    rendezvous through them; with none set, a one-process group is created so the same code
-    runs unchanged on a laptop. A group that already exists is reused.
+    rendezvous through them; under ``mpirun`` (and ``auto_mpi_discovery``) they are filled
+    from the MPI launcher's; with ``init_method`` (``tcp://host:port``, ``file://...``) and
+    ``rank``/``world_size`` the group is created from those; with none of these, a
+    one-process group is created so the same code runs unchanged on a laptop (DeepSpeed
+    would fail). A group that already exists is reused.
 
     Args:
+        dist_backend: ``gloo`` or ``nccl``; default: ``nccl`` on CUDA, ``gloo`` on the CPU.
+        auto_mpi_discovery: read rank and size from an MPI launcher's variables.
+        distributed_port: the rendezvous port when MASTER_PORT is not set (MPI launch).
+        verbose: log the set-up at info level (else debug).
         timeout: seconds (or a timedelta) a collective may wait for the other ranks before
             failing; default ``ZEROTRAIN_COMM_TIMEOUT`` or 600 s.
+        init_method: a torch.distributed URL; default ``env://``.
+        dist_init_required: False: a group must already exist (raise otherwise); True or
+            None: create one if none exists.
+        rank, world_size: this process's rank and the job's size (with ``init_method``, or
+            instead of RANK/WORLD_SIZE).
 
     Raises:
-        RuntimeError: when only some of torchrun's variables are set, or the device asked
-            for is missing.
+        RuntimeError: when only some of torchrun's variables are set, no group exists with
+            ``dist_init_required=False``, or the device asked for is missing.
+        ValueError: a backend zerotrain does not run on, or one the device cannot use.
     """
-    if timeout is None:
-        timeout = default_timeout()
-    elif not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    timeout = _as_timedelta(timeout)
+    report = log.info if verbose else log.debug
     if dist.is_initialized():
+        if dist_init_required:
+            report("init_distributed: the process group already exists; reusing it")
         return _env_from_group(timeout)
-
-    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    if dist_init_required is False:
+        raise RuntimeError(
+            "init_distributed(dist_init_required=False): no process group exists yet; pass "
+            "dist_init_required=True (or leave it None) or create the group first"
+        )
+    explicit = init_method is not None or (rank >= 0 and world_size > 0)
+    if not explicit and auto_mpi_discovery and "RANK" not in os.environ:
+        _mpi_discovery(distributed_port)
     local_rank = _env_int("LOCAL_RANK", 0)
-    device, backend = select_device(local_rank)
+    device, _ = select_device(local_rank)
+    backend = _backend_for(device, dist_backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if present and len(present) != len(_TORCHRUN_VARS):
-        missing = sorted(set(_TORCHRUN_VARS) - set(present))
-        raise RuntimeError(
-            f"incomplete distributed environment: {', '.join(present)} set but "
-            f"{', '.join(missing)} missing; launch with `zerotrain run` or torchrun"
-        )
-    if present:
-        _check_rendezvous()
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    else:
+    if explicit:
+        if rank < 0 or world_size <= 0:
+            rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            backend,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
         )
+    else:
+        present = [v for v in _TORCHRUN_VARS if v in os.environ]
+        if present and len(present) != len(_TORCHRUN_VARS):
+            missing = sorted(set(_TORCHRUN_VARS) - set(present))
+            raise RuntimeError(
+                f"incomplete distributed environment: {', '.join(present)} set but "
+                f"{', '.join(missing)} missing; launch with `zerotrain run` or torchrun"
+            )
+        if present:
+            _check_rendezvous()
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
     # Destroy the group we created before the interpreter finalises: otherwise gloo's worker
     # threads may release their last tensors after Python stopped handing out the GIL, and
     # the process aborts ("terminate called without an active exception").
     atexit.register(_destroy_at_exit)
     env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout)
-    log.info("process group: %d rank(s), backend %s, device %s", env.world_size, backend, device)
+    report("process group: %d rank(s), backend %s, device %s", env.world_size, backend, device)
     _start_heartbeats(env)
     return env
 

@@ -64,12 +64,32 @@ _INIT_BUCKET_NUMEL = 50_000_000
 
 
 def _config_from_args(config: Any, config_params: Any, args: Any) -> Any:
+    """The config ``initialize`` was given: ``config=``, ``config_params=`` or the
+    ``--deepspeed_config`` of ``args`` (DeepSpeed's ``add_config_arguments``), exactly one."""
     if config is not None and config_params is not None:
         raise ValueError("pass the config as config= or config_params=, not both")
     if config is None:
         config = config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None)
+        deprecated = getattr(args, "deepscale_config", None)
+        if deprecated is not None:
+            if from_args is not None:
+                raise ValueError(
+                    "args has both --deepscale_config and --deepspeed_config; give only "
+                    "--deepspeed_config (--deepscale_config is its deprecated name)"
+                )
+            log.warning("--deepscale_config is deprecated; use --deepspeed_config")
+            from_args = deprecated
+    if from_args is not None and config is not None:
+        # DeepSpeed asserts here too: which of the two was meant cannot be guessed.
+        raise ValueError(
+            f"initialize() got a config both as an argument and in args.deepspeed_config "
+            f"({from_args!r}); pass one of them"
+        )
     if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
+        config = from_args or getattr(args, "config", None)
     return config
 
 
