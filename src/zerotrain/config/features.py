@@ -114,6 +114,17 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         found.append("zero_optimization.zero_hpz_partition_size>1: hierarchical partitioning")
     if zero.mics_shard_size > 0:
         found.append("zero_optimization.mics_shard_size>0: MiCS sharding")
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads:
+        found.append(
+            "bf16.bf16_master_weights_and_grads=true (and bf16_optimizer_states): bf16 master "
+            "weights and optimizer states (zerotrain keeps fp32 master weights)"
+        )
+    autocast = cfg.torch_autocast
+    if autocast is not None and autocast.enabled and autocast.dtype in ("float16", "fp16"):
+        found.append(
+            f"torch_autocast.dtype={autocast.dtype}: fp16 autocast (it needs a gradient "
+            "scaler); use bfloat16, or the fp16 section"
+        )
     if cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads:
         found.append(
             "fp16.fp16_master_weights_and_grads=true: fp16 master weights (zerotrain keeps "
@@ -248,3 +259,33 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
     if "aio" in cfg.model_fields_set and not uses_nvme:
         notes.append("aio: only used by NVMe offload, which this config does not enable")
     return notes
+
+
+def ignored_keys(cfg: ZeroTrainConfig) -> list[str]:
+    """Keys of current DeepSpeed releases that are accepted but have no effect here, each
+    with the reason (logged as warnings at ``initialize``: a DeepSpeed user expects them to
+    do something)."""
+    found: list[str] = []
+    zero = cfg.zero_optimization
+    if zero.zenflow is not None and zero.zenflow.enabled is not False:
+        found.append(
+            "zero_optimization.zenflow has no effect: zerotrain steps every gradient at each "
+            "step (ZenFlow's top-k now, rest later updates are not implemented), which gives "
+            "the exact result ZenFlow approximates"
+        )
+    offload = zero.offload_optimizer
+    for key in ("super_offload", "cpuadam_cores_perc"):
+        if key in offload.model_fields_set:
+            found.append(
+                f"zero_optimization.offload_optimizer.{key} has no effect: zerotrain's "
+                "offloaded Adam streams states chunk by chunk on torch's CPU threads "
+                "(SuperOffload's superchip scheduling is not implemented)"
+            )
+    autocast = cfg.torch_autocast
+    if autocast is not None and autocast.enabled and autocast.lower_precision_safe_modules:
+        found.append(
+            "torch_autocast.lower_precision_safe_modules has no effect on communication: "
+            "zerotrain reduces every gradient in fp32 (DeepSpeed reduced those modules' in "
+            "the autocast dtype)"
+        )
+    return found

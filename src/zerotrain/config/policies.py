@@ -6,6 +6,7 @@ coupling between a component and the config keys it reads is visible in its sign
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -109,6 +110,14 @@ class PrecisionPolicy:
     loss_scale: LossScalePolicy | None = None
     check_overflow: bool = False
     cast_inputs: bool = True
+    autocast: torch.dtype | None = None  # torch_autocast: forward under torch.autocast
+
+    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """What the forward runs inside: ``torch.autocast`` with ``torch_autocast``, else
+        nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast)
 
     @property
     def master_weights(self) -> bool:
@@ -405,6 +414,15 @@ def resolve_precision(cfg: ZeroTrainConfig) -> PrecisionPolicy:
         problems.append(
             ConfigProblem("fp16.enabled", "fp16 and bf16 are both enabled; enable at most one")
         )
+    autocast = cfg.torch_autocast is not None and cfg.torch_autocast.enabled
+    if autocast and (cfg.fp16.enabled or cfg.bf16.enabled):
+        problems.append(
+            ConfigProblem(
+                "torch_autocast.enabled",
+                "torch_autocast keeps fp32 parameters and cannot be combined with the fp16 or "
+                "bf16 sections (DeepSpeed refuses it too); enable one of them",
+            )
+        )
     compute = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     accum = None
     name = cfg.data_types.grad_accum_dtype
@@ -452,6 +470,7 @@ def resolve_precision(cfg: ZeroTrainConfig) -> PrecisionPolicy:
         loss_scale=scaling,
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
         cast_inputs=cfg.fp16.auto_cast if cfg.fp16.enabled else cfg.bf16.auto_cast,
+        autocast=torch.bfloat16 if autocast else None,
     )
 
 

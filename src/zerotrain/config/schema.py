@@ -74,8 +74,20 @@ class BF16Config(Section):
     auto_cast: Bool = True  # zerotrain key: cast floating-point forward inputs to bf16
     immediate_grad_update: Bool = False
     check_grad_overflow: Bool = False
+    # DeepSpeed 0.17+: keep master weights and gradients (and optimizer states) in bf16 to
+    # save memory. zerotrain keeps fp32 masters: refused when true (features.py).
+    bf16_master_weights_and_grads: Bool = False
+    bf16_optimizer_states: Bool = False
     # bf16 needs no loss scaling; old configs carry "loss_scale": 1.0, which is harmless.
     loss_scale: Float = 1.0
+
+    @model_validator(mode="after")
+    def _states_need_masters(self) -> BF16Config:
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError(
+                "bf16_optimizer_states needs bf16_master_weights_and_grads (as in DeepSpeed)"
+            )
+        return self
 
     @field_validator("loss_scale")
     @classmethod
@@ -96,6 +108,10 @@ class OffloadOptimizerConfig(Section):
     pipeline_write: Bool = False
     fast_init: Bool = False
     ratio: UnitFraction = 1.0
+    # DeepSpeed 0.18+: SuperOffload for Grace-Hopper-class superchips, and the share of CPU
+    # cores its CPU Adam uses. Accepted; no effect here (a warning says so).
+    super_offload: Bool = False
+    cpuadam_cores_perc: Annotated[Float, Field(ge=0, le=1)] = 0.8
 
 
 class OffloadParamConfig(Section):
@@ -152,6 +168,9 @@ class ZeroConfig(Section):
     zero_quantized_gradients: Bool = False
     mics_shard_size: Int = -1
     memory_efficient_linear: Bool = True
+    # DeepSpeed 0.18+: ZenFlow (stall-free offloading: top-k gradient columns stepped at
+    # once, the rest later). Accepted; no effect here (a warning says so).
+    zenflow: LooseSection | None = None
 
     @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod
@@ -413,6 +432,18 @@ class SparseAttentionConfig(Section):
     max_seq_length: PositiveInt | None = None
 
 
+class TorchAutocastConfig(Section):
+    """``torch_autocast`` (DeepSpeed 0.16+): forward under ``torch.autocast`` with fp32
+    parameters and optimizer, instead of the ``bf16``/``fp16`` sections' low-precision
+    parameters. zerotrain runs ``bfloat16``; ``lower_precision_safe_modules`` (which
+    modules' gradients DeepSpeed reduces in low precision) is accepted, and gradients are
+    reduced in fp32."""
+
+    enabled: Bool = False
+    dtype: Literal["bfloat16", "float16", "bf16", "fp16"] = "bfloat16"
+    lower_precision_safe_modules: list[str] | None = None
+
+
 class ZeroTrainConfig(Section):
     """The whole config. Batch sizes are resolved against the world size by ``batch.py``."""
 
@@ -457,6 +488,7 @@ class ZeroTrainConfig(Section):
 
     pipeline: PipelineConfig | None = None
     tensor_parallel: TensorParallelConfig | None = None
+    torch_autocast: TorchAutocastConfig | None = None
 
     # Features zerotrain does not implement (yet): accepted, reported when enabled.
     amp: LooseSection | None = None

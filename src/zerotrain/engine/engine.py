@@ -149,7 +149,8 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         if self.efficiency is not None:
             args, kwargs = self.efficiency.before_forward(self, args, kwargs)
         self.telemetry.before_forward(self)
-        with self.telemetry.phase("forward"), self.activation_checkpointing.active():
+        autocast = self.precision.forward_context(self.env.device)  # torch_autocast
+        with self.telemetry.phase("forward"), self.activation_checkpointing.active(), autocast:
             return self.module(*args, **kwargs)
 
     def shard_sequence(self, batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.env import init_distributed
 from zerotrain.config.features import (
+    ignored_keys,
     inert_keys,
     not_implemented,
     pipeline_stages,
@@ -348,8 +349,15 @@ def initialize(
         member.configure_logger(telemetry.comms)
     for note in (*cfg.auto_notes, *inert_keys(cfg)):
         log.info("config: %s", note)
+    for warning in ignored_keys(cfg):
+        log.warning("config: %s", warning)
 
     precision = policies.precision
+    if precision.autocast is not None and pipe_module is not None:
+        raise NotImplementedError(
+            "torch_autocast with a PipelineModule: the pipeline's stages do not run their "
+            "forward under autocast yet; use the bf16 section"
+        )
     if precision.compute is not None:
         check_device_supports(precision.compute, env.device)
     zero = ZeroPolicy.for_stage(policies.training.stage)
