@@ -374,3 +374,27 @@ def test_consolidate_equals_the_models_state_dict(tmp_path: Path, precision: str
     loaded = safetensors.torch.load_file(out)
     for key, value in got["held"].items():
         assert torch.equal(loaded[key], value.to(torch.bfloat16)), key
+
+
+def _batchnorm_job(directory: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(directory)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_consolidate_keeps_integer_buffers(tmp_path: Path) -> None:
+    # BatchNorm's num_batches_tracked is int64: consolidation raised KeyError('int64').
+    from zerotrain.checkpoint.consolidate import load_state_dict_from_checkpoint
+
+    state = run_distributed(_batchnorm_job, 2, str(tmp_path / "ckpt"))[0]
+    loaded = load_state_dict_from_checkpoint(tmp_path / "ckpt")
+    assert loaded["1.num_batches_tracked"].dtype == torch.int64
+    assert int(loaded["1.num_batches_tracked"]) == 2
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key

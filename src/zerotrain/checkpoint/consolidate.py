@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from zerotrain.checkpoint.dtype_names import dtype_from_name
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
-from zerotrain.config.policies import DTYPE_BY_NAME
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.progress import Progress
 
@@ -27,7 +27,7 @@ log = get_logger(__name__)
 
 def _target_dtype(stored: str, dtype: torch.dtype | None) -> torch.dtype:
     """The model's own dtype, or ``dtype`` for floating-point tensors when one is asked."""
-    own = DTYPE_BY_NAME[stored]
+    own = dtype_from_name(stored)
     return dtype if dtype is not None and own.is_floating_point else own
 
 

@@ -39,6 +39,7 @@ from typing import Literal, overload
 import torch
 
 from zerotrain.checkpoint.directory import LATEST
+from zerotrain.checkpoint.dtype_names import dtype_from_name
 from zerotrain.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -47,7 +48,6 @@ from zerotrain.checkpoint.errors import (
 from zerotrain.checkpoint.manifest import MANIFEST, write_text_atomically
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
-from zerotrain.config.policies import DTYPE_BY_NAME
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.progress import Progress
 
@@ -61,19 +61,9 @@ _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _DEEPSPEED_FILES = ("*_model_states.pt", "*_optim_states.pt")
 
 
-def _dtype(name: str) -> torch.dtype:
-    """The dtype a manifest names (``fp32``, ``bf16``, ``int64``, ...)."""
-    if name in DTYPE_BY_NAME:
-        return DTYPE_BY_NAME[name]
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise IncompatibleCheckpointError(f"the checkpoint names an unknown dtype {name!r}")
-    return dtype
-
-
 def _fp32(name: str) -> torch.dtype:
     """fp32 for a floating-point dtype, else the dtype itself."""
-    dtype = _dtype(name)
+    dtype = dtype_from_name(name)
     return torch.float32 if dtype.is_floating_point else dtype
 
 

@@ -22,6 +22,7 @@ import torch
 from zerotrain.checkpoint import rank_local, regions, rng
 from zerotrain.checkpoint.boxes import Region, shared_count
 from zerotrain.checkpoint.directory import locate
+from zerotrain.checkpoint.dtype_names import dtype_from_name
 from zerotrain.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -31,7 +32,6 @@ from zerotrain.checkpoint.manifest import Manifest
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.checkpoint.save import agree, check_same_directory
 from zerotrain.checkpoint.state import Counters, TrainState
-from zerotrain.config.policies import DTYPE_BY_NAME
 from zerotrain.optim.base import GROUP_LAYOUT_KEYS
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -265,7 +265,9 @@ def _load_optimizer(state: TrainState, reader: CheckpointReader) -> None:
                 reader.manifest, wanted, str(path)
             ).items():
                 values[key] = (
-                    torch.tensor(number, dtype=DTYPE_BY_NAME[dtype_name], device=slot.tensor.device)
+                    torch.tensor(
+                        number, dtype=dtype_from_name(dtype_name), device=slot.tensor.device
+                    )
                     if dtype_name is not None
                     else number
                 )
