@@ -410,3 +410,27 @@ def _ranks() -> tuple[int, ...]:
 def test_rank_accessors_follow_the_grid():
     # Without pipeline/tensor/sequence parallelism the data axis is the whole job.
     assert run_distributed(_ranks, 2) == [(0, 2, 0, 2, 0, 0, 0), (1, 2, 1, 2, 0, 0, 0)]
+
+
+def _client_and_config_optimizer(with_section: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config: dict = {"train_batch_size": 2, "zero_optimization": {"stage": 1}}
+    if with_section:  # DeepSpeed uses the client optimizer and ignores this section
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 10.0}}
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config, optimizer=client)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        loss = engine(torch.randn(1, 4, generator=gen)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_client_optimizer_wins_over_the_config_section_as_in_deepspeed():
+    both = run_distributed(_client_and_config_optimizer, 2, True)
+    client_only = run_distributed(_client_and_config_optimizer, 2, False)
+    assert both == client_only

@@ -289,3 +289,45 @@ def test_destroy_without_restoring_frees_everything(tmp_path):
     spec = _spec(3, _offload("nvme", "nvme", str(tmp_path)))
     for result in run_distributed(_destroy_without_restoring, 2, spec):
         assert result == {"left": [], "held": 0}
+
+
+def _train_with_client_optimizer(spec: RunSpec, kind: str) -> dict:
+    model = make_model(spec)
+    config = zerotrain_config(spec, dist.get_world_size())
+    del config["optimizer"]
+    lr, wd = spec.opt_params["lr"], spec.opt_params["weight_decay"]
+    if kind == "AdamW":
+        client = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    elif kind == "Adam":
+        client = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+    else:
+        client = torch.optim.SGD(model.parameters(), lr=lr)
+    try:
+        engine, *_ = zerotrain.initialize(model=model, config=config, optimizer=client)
+    except ValueError as error:
+        return {"error": str(error)}
+    result = run_training(engine, spec, model)
+    engine.destroy()
+    return result
+
+
+def test_client_adam_under_offload_runs_the_offloaded_step(tmp_path):
+    # DeepSpeed-Chat passes torch's (or DeepSpeedCPUAdam's) Adam together with an offload
+    # config: its hyper-parameters drive the offloaded step, exactly like the same config
+    # section would.
+    offload = _offload("cpu", "none", str(tmp_path))
+    config_run = _spec(
+        2,
+        offload,
+        steps=3,
+        optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    )
+    base = run_distributed(_train, 2, config_run)[0]
+    spec = _spec(2, offload, steps=3)
+    client = run_distributed(_train_with_client_optimizer, 2, spec, "AdamW")[0]
+    assert client["losses"] == base["losses"]
+    l2 = run_distributed(_train_with_client_optimizer, 2, spec, "Adam")[0]
+    assert l2["losses"][0] == base["losses"][0]
+    assert l2["losses"][-1] != base["losses"][-1]  # torch Adam's weight decay is L2, not AdamW's
+    (refused, _) = run_distributed(_train_with_client_optimizer, 2, spec, "SGD")
+    assert "must be a torch.optim.Adam or AdamW" in refused["error"]

@@ -73,10 +73,13 @@ def make_optimizer(
 ) -> EngineOptimizer:
     """Build the engine's optimizer from what ``initialize`` received."""
     if optimizer is not None and spec is not None:
-        raise ValueError(
-            "an optimizer was passed to initialize and the config has an 'optimizer' section; "
-            "use one of them"
+        # DeepSpeed's rule: the client optimizer wins over the config's section.
+        log.warning(
+            "an optimizer was passed to initialize and the config has an 'optimizer' section "
+            "(%s): the one passed in is used, as DeepSpeed does; remove one of them",
+            spec.name,
         )
+        spec = None
     sharded = strategy.optimizer_over_shards
     if spec is not None and is_compressed(spec):
         flat = flat_groups(strategy, groups)
@@ -130,11 +133,7 @@ def _offloaded(
     """Offload runs its own Adam over the pieces, streaming states through its buffers."""
     assert strategy.offload is not None
     if optimizer is not None:
-        raise ValueError(
-            "with zero_optimization.offload_optimizer/offload_param the optimizer step runs "
-            "on the offloaded states, so it must come from the config: remove the optimizer "
-            "passed to initialize and add an 'optimizer' section (Adam or AdamW)"
-        )
+        spec = _adam_spec_of(optimizer)
     if spec is None:
         log.warning("offload is configured but there is no optimizer: step() only averages")
         return EngineOptimizer(None, steps_model_params=False)
@@ -144,9 +143,54 @@ def _offloaded(
         )
     hyper = hyperparameters(spec)
     flat = flat_groups(strategy, groups)
+    if optimizer is not None:
+        # A client optimizer's groups carry torch's implementation flags (foreach, fused,
+        # decoupled_weight_decay, ...): the offloaded step has its own kernel.
+        for group in flat:
+            group.options = {k: v for k, v in group.options.items() if k in hyper}
     check_group_options(list(hyper), [g.options for g in flat])
     built = strategy.offload.build_optimizer(hyper, flat, strategy.units)
     return EngineOptimizer(built, steps_model_params=False)
+
+
+def _adam_spec_of(optimizer: Any) -> OptimizerSpec:
+    """The offloaded step's hyper-parameters, read from a client ``torch.optim.Adam`` or
+    ``AdamW`` (DeepSpeed-Chat and the transformers Trainer pass one with offload configs).
+
+    Raises:
+        ValueError: anything else (the offloaded step runs Adam only and cannot call another
+            optimizer's code on the streamed states).
+    """
+    refusal = (
+        "with zero_optimization.offload_optimizer/offload_param the step runs zerotrain's "
+        "offloaded Adam on the streamed states; the optimizer passed to initialize must be a "
+        "torch.optim.Adam or AdamW (its hyper-parameters are used), or give an 'optimizer' "
+        f"section (Adam or AdamW) instead; got {type(optimizer).__name__}"
+    )
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(refusal)
+    defaults = optimizer.defaults
+    if defaults.get("maximize") or defaults.get("differentiable"):
+        raise ValueError(f"{refusal} without maximize/differentiable")
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+        defaults.get("decoupled_weight_decay")
+    )
+    params = {
+        "lr": float(defaults["lr"]),
+        "betas": tuple(float(b) for b in defaults["betas"]),
+        "eps": float(defaults["eps"]),
+        "weight_decay": float(defaults["weight_decay"]),
+        "amsgrad": bool(defaults.get("amsgrad", False)),
+        "bias_correction": True,
+        "adam_w_mode": decoupled,
+    }
+    log.info(
+        "offload: the step runs zerotrain's offloaded Adam with the hyper-parameters of the "
+        "%s passed to initialize (%s)",
+        type(optimizer).__name__,
+        ", ".join(f"{k}={v}" for k, v in params.items()),
+    )
+    return OptimizerSpec("adamw" if decoupled else "adam", params)
 
 
 def _check_elementwise(built: torch.optim.Optimizer) -> None:
