@@ -31,19 +31,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def demo(args: argparse.Namespace) -> int:
     """Launch ``zerotrain.examples.train_gpt`` through ``zerotrain run``."""
-    launch = argparse.Namespace(
-        nproc_per_node=args.nproc,
-        hostfile=None,
-        nnodes=None,
-        node_rank=None,
-        master_addr=None,
-        master_port=None,
-        rdzv_backend=None,
-        rdzv_endpoint=None,
-        rdzv_id="zerotrain-demo",
-        max_restarts=0,
+    launch = run_cmd.local_launch(
+        args.nproc,
+        "zerotrain.examples.train_gpt",
         module=True,
-        script="zerotrain.examples.train_gpt",
+        rdzv_id="zerotrain-demo",
         script_args=[
             "--steps",
             str(args.steps),

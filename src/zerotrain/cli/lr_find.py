@@ -128,20 +128,8 @@ def make_request(args: argparse.Namespace, record_path: Path) -> LRFindRequest:
 
 def _launch(args: argparse.Namespace, request: LRFindRequest) -> int:
     """Run the script as ``zerotrain run`` does, with the request in the environment."""
-    launch = argparse.Namespace(
-        nproc_per_node=args.nproc_per_node,
-        hostfile=None,
-        nnodes=None,
-        node_rank=None,
-        master_addr=None,
-        master_port=None,
-        rdzv_backend=None,
-        rdzv_endpoint=None,
-        rdzv_id="zerotrain-lr-find",
-        max_restarts=0,
-        module=args.module,
-        script=args.script,
-        script_args=args.script_args,
+    launch = run_cmd.local_launch(
+        args.nproc_per_node, args.script, args.script_args, args.module, "zerotrain-lr-find"
     )
     saved = os.environ.copy()
     os.environ.update(request.to_env())

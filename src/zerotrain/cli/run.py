@@ -92,6 +92,28 @@ def _node_layout(
     )
 
 
+def local_launch(
+    nproc: int | None, script: str, script_args: list[str], module: bool, rdzv_id: str
+) -> argparse.Namespace:
+    """``zerotrain run`` options for a job on this node only (what ``demo`` and
+    ``lr-find`` launch): no hostfile, no rendezvous options, no restarts."""
+    return argparse.Namespace(
+        nproc_per_node=nproc,
+        hostfile=None,
+        nnodes=None,
+        node_rank=None,
+        master_addr=None,
+        master_port=None,
+        rdzv_backend=None,
+        rdzv_endpoint=None,
+        rdzv_id=rdzv_id,
+        max_restarts=0,
+        module=module,
+        script=script,
+        script_args=script_args,
+    )
+
+
 def plan_launch(
     args: argparse.Namespace,
     environ: dict[str, str] | None = None,
