@@ -90,11 +90,6 @@ class TrainingEfficiency:
         (cut,), _ = truncate_call((batch,), {}, length)
         return cut
 
-    def after_step(self, global_steps: int) -> None:
-        """At each optimizer step, with the step count before it is incremented."""
-        if self.layer_drop is not None:
-            self.layer_drop.update_state(global_steps)
-
     def remove(self) -> None:
         """Give the blocks back their own classes (``engine.destroy``)."""
         remove_layer_drop(self.dropping_blocks)

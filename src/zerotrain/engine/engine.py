@@ -271,8 +271,6 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 self.telemetry.wall_clock.move(
                     "step", "offload_io", offload.io_seconds() - io_before
                 )
-            if self.efficiency is not None:
-                self.efficiency.after_step(self.global_steps)  # before the increment, as DeepSpeed
             self.global_steps += 1
             losses = self.loss_window.end_step()
             self.telemetry.after_step(self, losses)
