@@ -21,6 +21,22 @@ DISTRIBUTED_ALLOWED = {
     "cli/run.py": "the launcher runs torchrun itself",
 }
 
+# What a plain-torch feature package (no engine, no process group, no config) never imports.
+_PLAIN_TORCH = frozenset(
+    {
+        "comm",
+        "shard",
+        "zero",
+        "offload",
+        "optim",
+        "engine",
+        "checkpoint",
+        "parallel",
+        "cli",
+        "config",
+    }
+)
+
 # package -> packages it must never import (DESIGN.md §2, "knows nothing of").
 FORBIDDEN = {
     "config": {
@@ -57,31 +73,9 @@ FORBIDDEN = {
     "checkpoint": {"cli", "engine"},
     "zero": {"engine", "checkpoint", "cli"},
     # Attention kernels and layouts: plain torch, usable without an engine or a process group.
-    "sparse_attention": {
-        "comm",
-        "shard",
-        "zero",
-        "offload",
-        "optim",
-        "engine",
-        "checkpoint",
-        "parallel",
-        "cli",
-        "config",
-    },
+    "sparse_attention": _PLAIN_TORCH,
     # Layer drop, curriculum, random-LTD: plain torch (engine/efficiency.py applies them).
-    "efficiency": {
-        "comm",
-        "shard",
-        "zero",
-        "offload",
-        "optim",
-        "engine",
-        "checkpoint",
-        "parallel",
-        "cli",
-        "config",
-    },
+    "efficiency": _PLAIN_TORCH,
 }
 
 # (importing file, imported package): violations that exist today, to be removed. None left;
