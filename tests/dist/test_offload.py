@@ -331,3 +331,29 @@ def test_client_adam_under_offload_runs_the_offloaded_step(tmp_path):
     assert l2["losses"][-1] != base["losses"][-1]  # torch Adam's weight decay is L2, not AdamW's
     (refused, _) = run_distributed(_train_with_client_optimizer, 2, spec, "SGD")
     assert "must be a torch.optim.Adam or AdamW" in refused["error"]
+
+
+def _train_on_cuda(spec: RunSpec) -> list[float]:
+    model = make_model(spec)
+    engine, *_ = zerotrain.initialize(model=model, config=zerotrain_config(spec, 1))
+    batches = global_batches(spec, 1).to(engine.device)
+    losses = []
+    for step in range(spec.steps):
+        x, y = micro_batch(batches, spec, step, 0, 0, 1)
+        losses.append(engine.backward(engine(x, y)).item())
+        engine.step()
+    engine.destroy()
+    return losses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_optimizer_cpu_on_a_gpu_trains_like_resident_states(stage, tmp_path):
+    """On an accelerator the host master's gradient stays on the device (torch allows no
+    ``.grad`` on another device): the offloaded step copies it chunk by chunk. bf16, one
+    GPU; the host Adam and the device's fused Adam agree to rounding."""
+    cuda = {"ZEROTRAIN_DEVICE": "cuda"}
+    base = run_distributed(_train_on_cuda, 1, _spec(stage, None, bf16=True), env=cuda)[0]
+    section = _offload("cpu", "none", str(tmp_path))
+    offloaded = run_distributed(_train_on_cuda, 1, _spec(stage, section, bf16=True), env=cuda)
+    assert offloaded[0] == pytest.approx(base, abs=1e-3, rel=0)

@@ -225,9 +225,16 @@ class Offload:
     ) -> OffloadedAdam:
         """The offloaded Adam over ``groups`` (flat groups of the units' pieces)."""
         operands: dict[int, PieceOperands] = {}
+        owner: dict[int, ShardedUnit] = {}
         for unit in units:
             for piece in unit.pieces:
                 operands[id(piece.param)] = _piece_operands(unit, piece.start, piece.param)
+                owner[id(piece.param)] = unit
+
+        def off_device_grad(piece: torch.Tensor) -> torch.Tensor | None:
+            unit = owner.get(id(piece))
+            return None if unit is None else unit.off_device_grads.get(id(piece))
+
         params = []
         for group in groups:
             for tensor in group.tensors:
@@ -240,6 +247,7 @@ class Offload:
             buffer_count=self.policy.optimizer_buffer_count,
             chunk_numel=self.policy.chunk_numel,
             pin_memory=self.policy.pin_memory,
+            off_device_grad=off_device_grad,
             **hyper,
         )
         return self.optimizer

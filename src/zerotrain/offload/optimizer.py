@@ -117,6 +117,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         buffer_count: chunk buffer sets (reads ahead ``buffer_count - 2`` chunks).
         chunk_numel: elements per chunk.
         pin_memory: page-locked staging buffers.
+        off_device_grad: a piece's gradient kept on an accelerator (torch allows no
+            ``.grad`` on another device than the host piece's); None: ``.grad`` only.
     """
 
     swaps_states: bool
@@ -137,6 +139,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         buffer_count: int = 4,
         chunk_numel: int = 1 << 22,
         pin_memory: bool = False,
+        off_device_grad: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     ) -> None:
         defaults = adam_defaults(
             lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad
@@ -145,6 +148,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
         self._operands = operands
+        self._off_device_grad = off_device_grad
         self._moment_file = moment_file
         self.swaps_states = moment_file is not None or any(
             o.weights.region is not None for o in operands.values()
@@ -257,7 +261,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             )
             for param in group["params"]:
                 ops = self._operands[id(param)]
-                if param.numel() == 0 or (param.grad is None and ops.grad is None):
+                if param.numel() == 0 or (self._grad(param) is None and ops.grad is None):
                     continue
                 state = self.state[param]
                 if "step" not in state:  # a checkpoint without optimizer states was loaded
@@ -315,7 +319,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             dtype = ops.grad.region.dtype
             chunk.views["grad"] = self._operand_view(chunk, "grad", ops.grad, dtype, buffers)
             return
-        grad = chunk.param.grad
+        grad = self._grad(chunk.param)
         assert grad is not None
         grad = grad.reshape(-1)[chunk.lo : chunk.hi]
         if grad.device.type != "cpu":
@@ -323,6 +327,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             staged.copy_(grad, non_blocking=buffers.pin)
             grad = staged
         chunk.views["grad"] = grad
+
+    def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The piece's gradient: its ``.grad``, else the one kept on the accelerator."""
+        if param.grad is not None or self._off_device_grad is None:
+            return param.grad
+        return self._off_device_grad(param)
 
     @staticmethod
     def _resident(op: Operand) -> torch.Tensor:
@@ -333,7 +343,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _update(self, chunk: _Chunk, buffers: _BufferSet) -> None:
         views = chunk.views
-        grad = chunk.param.grad
+        grad = self._grad(chunk.param)
         if grad is not None and grad.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the staged copy has landed
         if chunk.ops.grad is not None:

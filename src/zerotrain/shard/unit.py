@@ -209,6 +209,9 @@ class ShardedUnit:
         # when gradients accumulate in a 16-bit dtype next to fp32 master weights.
         self._step_grad: torch.Tensor | None = None
         self._pieces_bound = False  # the pieces' .grad were bound by a step
+        # Pieces on the host whose gradient is on the accelerator (optimizer offload), by
+        # id(piece.param): bound each step instead of ``.grad``.
+        self.off_device_grads: dict[int, torch.Tensor] = {}
         self.state = GradState.ACCUMULATING
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
@@ -315,9 +318,17 @@ class ShardedUnit:
             return
         lo = self.owned[0]
         grad = self.grad_shard
+        self.off_device_grads.clear()
         for piece in self.pieces:
             start = piece.start - lo
-            piece.param.grad = grad[start : start + piece.param.numel()]
+            view = grad[start : start + piece.param.numel()]
+            if view.device != piece.param.device:
+                # Optimizer offload on an accelerator: the piece is a host master, the
+                # gradient stays on the device (torch refuses a .grad on another device);
+                # the offloaded step copies it chunk by chunk.
+                self.off_device_grads[id(piece.param)] = view
+            else:
+                piece.param.grad = view
         self._pieces_bound = True
 
     def _make_pieces(self) -> tuple[OptimizerPiece, ...]:
@@ -395,7 +406,9 @@ class ShardedUnit:
     def optimizer_grads_dropped(self) -> bool:
         """Whether the optimizer's ``zero_grad()`` cleared the pieces' ``.grad`` since the
         last step bound them (how an ``optimizer.zero_grad()`` call is seen)."""
-        return self._pieces_bound and any(p.param.grad is None for p in self.pieces)
+        return self._pieces_bound and any(
+            p.param.grad is None and id(p.param) not in self.off_device_grads for p in self.pieces
+        )
 
     def forget_optimizer_grads(self) -> None:
         """The dropped piece gradients were acted on; the next step binds them again."""
@@ -441,6 +454,7 @@ class ShardedUnit:
         self.grads.zero()
         self.received.clear()
         self.state = GradState.ACCUMULATING
+        self.off_device_grads.clear()
         if self._step_grad is not None:
             self._step_grad = None
             self._pieces_bound = False  # released by us, not by an optimizer's zero_grad()
@@ -542,30 +556,44 @@ class ShardedUnit:
         self.state = GradState.ACCUMULATING
 
 
-_COMPARE_CHUNK = 1 << 22  # elements compared at once: bounds the temporaries
+# Elements compared at once: bounds the temporaries (3 bytes an element). On an
+# accelerator larger, as each chunk costs five kernel launches per step: with 4M the
+# comparison of a 354M-parameter GPT took 700 launches a step, its host time showing.
+_COMPARE_CHUNK = 1 << 22
+_COMPARE_CHUNK_ACCELERATOR = 1 << 24
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(_SAME_WIDTH_INT[tensor.element_size()])
 
 
 def take_changes(stored: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Copy into ``stored`` the elements of ``visible`` that differ from ``stored`` rounded
     to ``visible``'s dtype; returns their count (0-d tensor on ``stored``'s device).
 
-    On CPUs a chunk without changes is left unwritten (checking costs nothing there); on
-    GPUs every chunk is rewritten through ``torch.where`` so that nothing waits for the
-    device.
+    Compared bit for bit: what zerotrain wrote is that rounding exactly, NaNs included,
+    and integer comparison needs no NaN masks (a GPU pays this every step, so its passes
+    over memory count). On CPUs a chunk without changes is left unwritten (checking costs
+    nothing there); on GPUs every chunk is rewritten in place through ``torch.where`` so
+    that nothing waits for the device.
     """
     count = torch.zeros((), dtype=torch.int64, device=stored.device)
     on_cpu = stored.device.type == "cpu"
+    chunk = _COMPARE_CHUNK if on_cpu else _COMPARE_CHUNK_ACCELERATOR
     with torch.no_grad():
-        for lo in range(0, stored.numel(), _COMPARE_CHUNK):
-            mine = stored[lo : lo + _COMPARE_CHUNK]
-            seen = visible[lo : lo + _COMPARE_CHUNK].to(mine.device)
+        for lo in range(0, stored.numel(), chunk):
+            mine = stored[lo : lo + chunk]
+            seen = visible[lo : lo + chunk].to(mine.device)
             expected = mine if mine.dtype == seen.dtype else mine.to(seen.dtype)
-            differ = (seen != expected) & ~(seen.isnan() & expected.isnan())
+            differ = _bits(seen) != _bits(expected)
             if on_cpu:
                 if bool(differ.any()):
                     mine[differ] = seen[differ].to(mine.dtype)
                     count += differ.sum()
             else:
-                mine.copy_(torch.where(differ, seen.to(mine.dtype), mine))
+                torch.where(differ, seen, mine, out=mine)
                 count += differ.sum()
     return count

@@ -90,8 +90,13 @@ def _worker(
     try:
         timeout = datetime.timedelta(seconds=comm_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        # gloo on CPUs; a test that asks for CUDA (env ZEROTRAIN_DEVICE=cuda) gets NCCL,
+        # the backend zerotrain pairs with it.
+        backend = "nccl" if os.environ["ZEROTRAIN_DEVICE"] == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         outcome = ("ok", fn(*args, **kwargs))
     except BaseException:
