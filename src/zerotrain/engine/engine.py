@@ -49,6 +49,8 @@ from zerotrain.parallel.sequence import shard_batch
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
+from zerotrain.utils.torch_compat import queue_end_of_backward
+from zerotrain.utils.tree import tensors_in
 from zerotrain.zero.strategy import ZeroStrategy
 
 log = get_logger(__name__)
@@ -61,6 +63,19 @@ _RELEASED_IN_BACKWARD = (
     "the module's forward, or list a larger enclosing module in "
     "zero_optimization.stage3_unit_classes"
 )
+
+
+class _EngineBackward:
+    """Counts ``engine.backward()`` calls running in this process, of any engine: output
+    hooks of torch-style backward stay quiet under them."""
+
+    running = 0
+
+    def __enter__(self) -> None:
+        _EngineBackward.running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _EngineBackward.running -= 1
 
 
 class Engine(RankQueries, EfficiencyQueries, nn.Module):
@@ -114,6 +129,13 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
             self._cast_back = cast_the_rest(module, strategy.managed(), self.precision.compute)
         # The loader initialize built from training_data (its position is checkpointed).
         self.training_dataloader: DistributedDataLoader | None = None
+        # The config as passed to initialize (DeepSpeed's engine.config), set by initialize.
+        self.config: dict[str, Any] = {}
+        # The learning rate of each group that the last optimizer step used (get_lr).
+        self._step_lrs: list[float] | None = None
+        if self.optimizer is not None:
+            # DeepSpeed's optimizers carry it; training loops read it to count skipped steps.
+            self.optimizer.overflow = False  # type: ignore[attr-defined]
         self.last_load_report: LoadReport | None = None
         # initialize checkpointed the model's blocks (config activation_checkpointing.
         # block_types): destroy() undoes it.
@@ -127,6 +149,11 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self._backward_pending_step = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        # A plain loss.backward() through this engine's outputs is under way (see
+        # _arm_torch_style_backward), and the scalar output it will log as the loss.
+        self._torch_backward_open = False
+        self._torch_style_loss: torch.Tensor | None = None
         self._no_sync = False  # inside engine.no_sync()
         self._grad_norm: torch.Tensor | None = None
         # This rank's micro-batch losses since the last periodic report, as a running sum.
@@ -148,10 +175,67 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
             args, kwargs = cast_floating((args, kwargs), dtype)
         if self.efficiency is not None:
             args, kwargs = self.efficiency.before_forward(self, args, kwargs)
+        self._recover_torch_style_backward()
         self.telemetry.before_forward(self)
         autocast = self.precision.forward_context(self.env.device)  # torch_autocast
         with self.telemetry.phase("forward"), self.activation_checkpointing.active(), autocast:
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            self._arm_torch_style_backward(out)
+        return out
+
+    # -- torch-style backward: loss.backward() then engine.step() -------------------------------
+
+    def _arm_torch_style_backward(self, out: Any) -> None:
+        """Hook the forward's outputs so that a plain ``loss.backward()`` runs as the
+        engine's own backward pass (DeepSpeed's torch-style backward): the first output
+        gradient opens the pass (the strategy's begin, the accumulation divisor and fp16
+        loss scale applied to each output's gradient), the end of autograd's pass closes
+        it. Nothing happens under ``engine.backward()``, this engine's or another's: a
+        gradient reaching this engine from another engine's pass stays an outside gradient
+        in ``param.grad`` (a GAN's discriminator), as before."""
+        found = [t for t in tensors_in(out) if t.requires_grad]
+        for tensor in found:
+            tensor.register_hook(self._torch_style_output_grad)
+        scalar = [t for t in found if t.numel() == 1]
+        self._torch_style_loss = scalar[0].detach() if len(scalar) == 1 else None
+
+    def _torch_style_output_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if _EngineBackward.running:
+            return None
+        if not self._torch_backward_open:
+            self._open_torch_style_backward()
+        factor = self.loss_scale / self.policy.loss_divisor
+        return grad * factor if factor != 1.0 else None
+
+    def _open_torch_style_backward(self) -> None:
+        if self._backward_pending_step:
+            self.strategy.reopen_window()
+        self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
+        self._torch_backward_open = True
+        queue_end_of_backward(self._close_torch_style_backward)
+
+    def _close_torch_style_backward(self) -> None:
+        self._torch_backward_open = False
+        self.strategy.end_backward()
+        if not self._no_sync:
+            if self._torch_style_loss is not None:
+                self.loss_window.add(self._torch_style_loss)
+            self._backward_pending_step = True
+        self._torch_style_loss = None
+
+    def _recover_torch_style_backward(self) -> None:
+        """A plain ``loss.backward()`` that raised never reached its end: discard the
+        window's gradients, as ``engine.backward()`` does when autograd raises."""
+        if self._torch_backward_open:
+            self._torch_backward_open = False
+            self.strategy.abort_backward()
+            gas = self.policy.batch.gradient_accumulation_steps
+            self.micro_steps -= self.micro_steps % gas
+            log.warning(
+                "a loss.backward() through this engine raised before it finished: the "
+                "gradients of the accumulation window were discarded"
+            )
 
     def shard_sequence(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's slice of a batch of whole sequences under Ulysses sequence parallelism
@@ -163,39 +247,61 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         return shard_batch(batch, self.groups.sequence)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True on the micro-step whose ``step()`` updates the parameters."""
+        """True on the micro-step whose ``step()`` updates the parameters: every
+        ``gradient_accumulation_steps``-th one, unless
+        :meth:`set_gradient_accumulation_boundary` said otherwise."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.policy.batch.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate ``loss`` of one micro-batch; returns ``loss``.
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Decide the accumulation boundary yourself, as DeepSpeed's method of this name:
+        backward passes while it is False accumulate (without reducing at stages 0-1) and
+        ``step()`` does not update; set True before the window's last backward, then call
+        ``step()`` once. The setting stays until changed; the engine's own count of
+        micro-steps is not consulted meanwhile."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(
+                f"set_gradient_accumulation_boundary takes True or False, got {is_boundary!r}"
+            )
+        self._boundary_override = is_boundary
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate ``loss`` of one micro-batch; returns ``loss`` (DeepSpeed returns it
+        divided by the accumulation steps; see docs/migrating_from_deepspeed.md).
 
         The accumulated gradient is the mean over the global batch (the loss is divided by
-        the number of accumulation steps; under mixed precision that division happens in
-        fp32 with the reduction). With fp16 the loss is multiplied by the loss scale. When
-        this micro-step communicates, gradients are reduced across ranks while backward
-        runs; this call returns once they are. If backward raises, the gradients of the
-        current accumulation window are discarded.
+        the number of accumulation steps, unless ``scale_wrt_gas`` is False: then the
+        gradient is the sum over the window's micro-steps, as DeepSpeed's flag means).
+        With fp16 the loss is multiplied by the loss scale. When this micro-step
+        communicates, gradients are reduced across ranks while backward runs; this call
+        returns once they are. Several calls before ``step()`` add up (DeepSpeed's
+        semantics). If backward raises, the gradients of the current accumulation window
+        are discarded.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("backward() needs the scalar loss tensor of this micro-batch")
+        self._recover_torch_style_backward()
         if not loss.requires_grad:
             raise RuntimeError(
                 "the loss does not require grad: was the forward run under torch.no_grad() "
                 "or with every parameter frozen?"
             )
         if self._backward_pending_step:
-            raise RuntimeError(
-                "backward() called twice without step(): call engine.step() after every "
-                "engine.backward(), sum the losses of one micro-batch first, or run the "
-                "earlier backward passes inside 'with engine.no_sync():'"
-            )
+            # Several backward passes before step() add up, as in DeepSpeed (a GAN's real
+            # and fake losses): on the window's last micro-step the first pass has reduced
+            # already, and the units take the next passes on top of that.
+            self.strategy.reopen_window()
         gas = self.policy.batch.gradient_accumulation_steps
-        scaled = self._scaled_loss(loss)
+        scaled = self._scaled_loss(loss, scale_wrt_gas)
         try:
-            self._backward_pass(
-                self.is_gradient_accumulation_boundary(),
-                lambda: scaled.backward(retain_graph=retain_graph),
-            )
+            with _EngineBackward():
+                self._backward_pass(
+                    self.is_gradient_accumulation_boundary(),
+                    lambda: scaled.backward(retain_graph=retain_graph),
+                )
         except BaseException:
             self.micro_steps -= self.micro_steps % gas  # the window starts over
             raise
@@ -204,15 +310,21 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
             self._backward_pending_step = True
         return loss
 
-    def _scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """What backward starts from: the loss over the accumulation divisor, times the
-        fp16 loss scale."""
-        divisor = self.policy.loss_divisor
+    def _scaled_loss(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """What backward starts from: the loss over the accumulation divisor (unless
+        ``scale_wrt_gas`` is False), times the fp16 loss scale."""
+        divisor: float = self.policy.loss_divisor
+        if not scale_wrt_gas:
+            # The mean over micro-steps is divided either here (fp32) or in the reduction
+            # (mixed precision, where divisor is 1): undone in both cases.
+            divisor /= self.policy.batch.gradient_accumulation_steps
         if self.loss_scaler is not None:
             # Scaled in fp32 so the product itself cannot overflow; the gradient reaching an
             # fp16 loss is still the scale in fp16 (2**16 is inf there: the first dynamic
             # steps overflow and lower it, as in DeepSpeed).
             return loss.float() * (self.loss_scale / divisor)
+        if divisor < 1:
+            return loss.float() * (1 / divisor)
         return loss / divisor if divisor > 1 else loss
 
     def _backward_pass(self, boundary: bool, run: Callable[[], None]) -> None:
@@ -255,10 +367,12 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 "step() called inside engine.no_sync(): leave the context and run the "
                 "micro-step's last backward() first, which reduces the gradients"
             )
+        self._recover_torch_style_backward()
         if not self._backward_pending_step:
             raise RuntimeError(
-                "step() called without engine.backward(loss) for this micro-step (calling "
-                "loss.backward() directly bypasses gradient averaging)"
+                "step() called without a backward pass for this micro-step: call "
+                "engine.backward(loss), or loss.backward() on a loss computed from this "
+                "engine's forward output"
             )
         batch = self.policy.batch
         self.global_samples += batch.micro_batch_size * batch.dp_world_size
@@ -292,6 +406,9 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         if self.loss_scaler is None:
             self._non_finite(overflow, norm)
         self._step_applied = not overflow
+        self._step_lrs = self._current_lrs()
+        if self.optimizer is not None:
+            self.optimizer.overflow = overflow  # type: ignore[attr-defined]
         if overflow:
             self._grad_norm = norm
             self.strategy.skip_step()
@@ -366,10 +483,27 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         return self.env.device
 
     def get_lr(self) -> list[float]:
-        """Learning rate of each optimizer param group."""
+        """Learning rate of each optimizer param group that the last optimizer step used
+        (before any step: the one the first will use). DeepSpeed returns the groups' current
+        rate, which after a step is already the scheduler's next one; a loop that logs the
+        loss and the rate after ``step()`` gets a matching pair here."""
+        if self._step_lrs is not None:
+            return list(self._step_lrs)
+        return self._current_lrs()
+
+    def _current_lrs(self) -> list[float]:
         if self.optimizer is None:
             return []
         return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether the model computes in bf16 with fp32 master weights (config ``bf16``;
+        ``torch_autocast`` is reported by neither, as in DeepSpeed)."""
+        return self.precision.compute == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        """Whether the model computes in fp16 with loss scaling (config ``fp16``)."""
+        return self.precision.compute == torch.float16
 
     @property
     def loss_scale(self) -> float:

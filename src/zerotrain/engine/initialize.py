@@ -484,6 +484,12 @@ def initialize(
     else:
         engine = Engine(*engine_args, groups=groups)
     engine.training_dataloader = loader
+    # DeepSpeed's engine.config: the config as passed (a path is read, so always a dict).
+    engine.config = (
+        dict(source)
+        if isinstance(source, dict)
+        else cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    )
     engine.checkpointed_blocks = wrapped_blocks
     if lr_find is not None:
         engine.lr_find = LRRangeRecorder(lr_find, engine)

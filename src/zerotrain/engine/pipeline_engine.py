@@ -117,10 +117,12 @@ class PipelineEngine(Engine):
         self._refuse_split("forward")
         return super().forward(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """As :meth:`Engine.backward` (a single stage only)."""
         self._refuse_split("backward")
-        return super().backward(loss, retain_graph)
+        return super().backward(loss, retain_graph, scale_wrt_gas)
 
     def step(self) -> None:
         """As :meth:`Engine.step` (a single stage only)."""

@@ -212,6 +212,9 @@ class ShardedUnit:
         # Pieces on the host whose gradient is on the accelerator (optimizer offload), by
         # id(piece.param): bound each step instead of ``.grad``.
         self.off_device_grads: dict[int, torch.Tensor] = {}
+        # The reduced gradient set aside by reopen_window, added back once the window's
+        # further passes are reduced.
+        self._carried: torch.Tensor | None = None
         self.state = GradState.ACCUMULATING
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
@@ -382,6 +385,8 @@ class ShardedUnit:
 
         def on_done() -> None:
             self.state = GradState.REDUCED if final else GradState.ACCUMULATING
+            if final:
+                self._add_carried()
 
         if isinstance(self.grads, ShardedGradients):
             return self.grads.reduce(self.reduce_policy, on_done, staging, self.label, final=final)
@@ -432,6 +437,34 @@ class ShardedUnit:
         if divide_by != 1.0:
             self.grads.flat.div_(divide_by)  # type: ignore[union-attr]
         self.state = GradState.REDUCED
+        self._add_carried()
+
+    def reopen_window(self) -> None:
+        """Another backward pass on the micro-step whose backward already closed the window
+        (several ``engine.backward()`` calls before ``step()``, which DeepSpeed allows).
+        The reduced gradient is set aside and the unit accumulates from zero; once the new
+        passes are reduced (or kept local) the two are added. Averaging is linear, so that
+        is the average of the whole window's gradient, at every stage (reducing the buffer
+        again in place would not be: at stage 1 the other ranks' slices of it were consumed
+        by the reduce-scatter). Costs a copy of this rank's reduced slice meanwhile."""
+        if self.state is not GradState.REDUCED:
+            return
+        if self.grads.slot.streamed:
+            raise RuntimeError(
+                f"{self.label}: a second backward() before step() on the micro-step that "
+                "closes the accumulation window needs the reduced gradient in memory, but "
+                "offload_optimizer nvme keeps it in a swap file; sum the losses and call "
+                "backward() once, or run the earlier passes inside engine.no_sync()"
+            )
+        carried = self.grads.shard.clone()
+        self._carried = carried if self._carried is None else self._carried + carried
+        self.grads.zero()
+        self.state = GradState.ACCUMULATING
+
+    def _add_carried(self) -> None:
+        if self._carried is not None:
+            self.grads.shard.add_(self._carried)
+            self._carried = None
 
     def full_gradient(self) -> torch.Tensor:
         """The gradient of the whole buffer in fp32 (stages 0-1): this rank's own after
@@ -551,6 +584,7 @@ class ShardedUnit:
     def reset(self) -> None:
         """Forget a failed backward pass: no reduction pending, gradients zeroed."""
         self._step_grad = None
+        self._carried = None
         self.grads.reset()
         self.received.clear()
         self.state = GradState.ACCUMULATING

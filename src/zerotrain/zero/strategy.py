@@ -330,6 +330,17 @@ class ZeroStrategy:
                 for unit in self.units:
                     unit.keep_local_gradient(ranks)
 
+    def reopen_window(self) -> None:
+        """Another backward pass follows the one that closed the accumulation window, before
+        the step (DeepSpeed's several ``backward()`` calls per ``step()``): the units set
+        their reduced gradients aside and accumulate anew (``ShardedUnit.reopen_window``);
+        which parameters got a gradient is exchanged again at the end of that pass."""
+        if self._used is not None:
+            self._used[1].wait()
+            self._used = None
+        for unit in self.units:
+            unit.reopen_window()
+
     def abort_backward(self) -> None:
         """After autograd raised: discard the current window's gradients."""
         try:
