@@ -164,6 +164,8 @@ class TrainingPolicy:
     # The loss is divided by this before backward; under mixed precision averaging over
     # micro-steps happens in the fp32 reduction instead (1/3 is not exact in bf16).
     loss_divisor: int = 1
+    # save_16bit_model at stage 3 gathers the weights (else it writes nothing, as DeepSpeed).
+    gather_16bit_on_save: bool = False
     # Checkpoints: how many to keep (None: all) and what to do when ranks pass different
     # tags ("fail", "warn" or "ignore").
     keep_last: int | None = None
@@ -321,6 +323,7 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
         log_memory=cfg.memory_breakdown,
         drop_last=cfg.dataloader_drop_last,
         loss_divisor=1 if precision.master_weights else gas,
+        gather_16bit_on_save=zero.stage3_gather_16bit_weights_on_model_save,
         keep_last=cfg.checkpoint.keep_last,
         tag_validation=cfg.checkpoint.tag_validation.lower(),
         non_finite_action=cfg.non_finite_gradients.action,

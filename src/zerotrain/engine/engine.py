@@ -39,6 +39,7 @@ from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.efficiency import EfficiencyQueries, TrainingEfficiency
 from zerotrain.engine.loss_window import LossWindow
 from zerotrain.engine.lr_find import LRRangeRecorder
+from zerotrain.engine.model_export import consolidated_state_dict, save_16bit_model
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.engine.ranks import RankQueries
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
@@ -584,23 +585,40 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self,
         load_dir: str | os.PathLike[str],
         tag: str | None = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Any = None,
         *,
-        strict: bool = True,
+        strict: bool | None = None,
     ) -> tuple[str, Any]:
         """Load a checkpoint saved with any number of ranks at any ZeRO stage and precision
-        (collective). ``tag`` None loads the one ``latest`` names. Returns ``(path,
-        client_state)``; with ``strict=False`` tensors missing on either side are reported
-        (``engine.last_load_report``) instead of raising. ``load_module_only`` takes only the
-        weights (and buffers); counters, optimizer, schedule and random states stay as they
-        are.
+        (collective). DeepSpeed's arguments, in its order. ``tag`` None loads the one
+        ``latest`` names. Returns ``(path, client_state)``.
+
+        ``load_module_strict=False`` (or ``strict=False``): tensors missing on either side
+        are reported (``engine.last_load_report``) instead of raising.
+        ``load_optimizer_states=False``: weights (with their fp32 master copies), schedule,
+        counters and random states are loaded; the optimizer's states stay as they are
+        (fresh right after ``initialize``).
+        ``load_lr_scheduler_states=False``: the schedule stays as it is (DeepSpeed's use:
+        a new schedule on old weights). ``load_module_only``: only the weights (and
+        buffers); counters, optimizer, schedule and random states stay as they are.
+        ``custom_load_fn`` is not supported (it receives DeepSpeed's own checkpoint dict).
 
         Raises ``CheckpointNotFoundError`` (no such checkpoint, or an interrupted save),
         ``CorruptCheckpointError`` (a file fails its size or checksum check, naming it) or
         ``IncompatibleCheckpointError`` (a different model or optimizer).
         """
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...) is not supported: DeepSpeed passes it "
+                "its own checkpoint dict, which zerotrain's sharded format does not have; "
+                "load the checkpoint, then change the model's weights yourself"
+            )
+        # strict: zerotrain's earlier name of load_module_strict; either False relaxes.
+        strict = load_module_strict and (strict is None or strict)
         path, client_state, report = load_checkpoint(
             self.checkpoint_state(),
             load_dir,
@@ -613,6 +631,41 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self.last_load_report = report
         self.loss_window.clear()  # losses of the steps before the load are not reported
         return path, client_state
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's name: the whole model state (parameters in the training dtype,
+        persistent buffers) on the CPU on rank 0, None on the other ranks; tied parameters
+        are one tensor under each name. Collective (call on every rank); ZeRO-3 only, as in
+        DeepSpeed (at stages 0-2 ``engine.module.state_dict()`` already holds it)."""
+        if self.policy.stage != 3:
+            raise ValueError(
+                "_zero3_consolidated_16bit_state_dict needs ZeRO stage 3 (DeepSpeed's rule); "
+                f"this engine runs stage {self.policy.stage}, where engine.module.state_dict() "
+                "is whole already"
+            )
+        return consolidated_state_dict(self, exclude_frozen_parameters)
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write the model's weights in their training dtype as one ``state_dict`` file from
+        rank 0 (``torch.save``; a ``.safetensors`` name writes safetensors), tied weights
+        kept tied. Collective: call on every rank. At stage 3 only with
+        ``stage3_gather_16bit_weights_on_model_save`` (else returns False and writes
+        nothing, as DeepSpeed). Returns True when written."""
+        gather = self.policy.gather_16bit_on_save
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters, gather)
+
+    def save_fp16_model(
+        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin"
+    ) -> bool:
+        """DeepSpeed's older name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def destroy(self, restore_params: bool = True) -> None:
         """Detach the engine from the model: hooks removed, parameters in their own storage

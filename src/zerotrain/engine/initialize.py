@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from zerotrain import checkpointing
+from zerotrain.comm import public as comm_public
 from zerotrain.comm.agreement import disagreements, failed_ranks
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
@@ -347,6 +348,7 @@ def initialize(
     telemetry = telemetry_policy(cfg)
     for member in groups.distinct():
         member.configure_logger(telemetry.comms)
+    comm_public.use_logger_policy(telemetry.comms)  # scripts' zerotrain.comm calls too
     for note in (*cfg.auto_notes, *inert_keys(cfg)):
         log.info("config: %s", note)
     for warning in ignored_keys(cfg):
