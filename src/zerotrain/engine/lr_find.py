@@ -210,9 +210,6 @@ class LRRangeRecorder:
         self.request = request
         self._path = Path(request.record_path)
         self._writes = engine.env.rank == 0
-        # The schedule has already set the lr of the next step: remember it, because the
-        # engine steps the schedule before calling after_step.
-        self._lr_in_use = lrs[0]
         self._smoother = LossSmoother(request.smoothing, request.divergence_factor)
         if self._writes:
             self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,8 +223,8 @@ class LRRangeRecorder:
             engine: the engine that stepped (``global_steps`` already counts this step).
             losses: this rank's micro-batch losses of the step (scalar tensors).
         """
-        record = LRRecord(engine.global_steps, self._lr_in_use, _mean_over_ranks(engine, losses))
-        self._lr_in_use = engine.get_lr()[0]  # a skipped step leaves it where it was
+        # get_lr(): the rate this step ran at (the schedule has already moved the group on).
+        record = LRRecord(engine.global_steps, engine.get_lr()[0], _mean_over_ranks(engine, losses))
         self._append(record.to_json())
         reason = self._stop_reason(record)
         if reason is not None:
