@@ -7,12 +7,13 @@ The public surface::
 
 Stage 3 extras: ``zerotrain.zero.Init`` and ``zerotrain.zero.GatheredParameters``.
 DeepSpeed's script-level names: ``add_config_arguments``, ``init_distributed``,
-``zerotrain.utils.RepeatingLoader``, ``zerotrain.runtime.utils.set_random_seed``
+``zerotrain.utils.RepeatingLoader``, ``zerotrain.runtime.utils.set_random_seed``,
+``zerotrain.ops.adam.DeepSpeedCPUAdam`` / ``FusedAdam``, ``zerotrain.ops.lamb.FusedLamb``
 (``import zerotrain as deepspeed``; docs/migrating_from_deepspeed.md).
 Activation checkpointing: ``zerotrain.checkpointing.checkpoint`` / ``.apply``.
 """
 
-from zerotrain import accelerator, checkpointing, runtime, utils, zero
+from zerotrain import accelerator, checkpointing, ops, runtime, utils, zero
 from zerotrain.config.arguments import add_config_arguments
 from zerotrain.config.errors import ConfigError
 from zerotrain.config.loader import load_config
@@ -32,6 +33,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "ops",
     "runtime",
     "utils",
     "zero",

@@ -3,7 +3,8 @@
 - ``checkpoint(fn, *args, **kwargs)``: one region, called from model code.
 - ``apply(model, block_types="auto")``: every block of a model, without editing it.
 - ``configure(...)``: where kept inputs live, timing (the config's ``activation_checkpointing``
-  section does this at ``initialize``); ``stats()`` reports what the regions did.
+  section does this at ``initialize``); DeepSpeed's ``configure(mpu_, deepspeed_config, ...)``
+  and ``is_configured()`` too; ``stats()`` reports what the regions did.
 
 See docs/activation_checkpointing.md.
 """
@@ -14,6 +15,7 @@ from zerotrain.checkpointing.state import (
     configure,
     current,
     default_context,
+    is_configured,
     reset,
     reset_stats,
     stats,
@@ -30,6 +32,7 @@ __all__ = [
     "current",
     "default_context",
     "is_checkpointed",
+    "is_configured",
     "remove",
     "reset",
     "reset_stats",

@@ -19,6 +19,7 @@ from zerotrain.config.policies import OptimizerSpec, SchedulerSpec
 from zerotrain.engine.compressed_setup import build_compressed, is_compressed
 from zerotrain.engine.param_groups import ParamGroups
 from zerotrain.optim.base import FlatOptimizer
+from zerotrain.optim.deepspeed_ops import layout_free_options, spec_of
 from zerotrain.optim.factory import (
     ELEMENTWISE_TORCH_OPTIMIZERS,
     FlatGroup,
@@ -71,7 +72,8 @@ def make_optimizer(
     groups: ParamGroups,
     model_parameters: list[Any] | None,
 ) -> EngineOptimizer:
-    """Build the engine's optimizer from what ``initialize`` received."""
+    """Build the engine's optimizer from what ``initialize`` received (one of DeepSpeed's
+    optimizer classes, ``optim.deepspeed_ops``, counts as the config section it names)."""
     if optimizer is not None and spec is not None:
         # DeepSpeed's rule: the client optimizer wins over the config's section.
         log.warning(
@@ -80,6 +82,18 @@ def make_optimizer(
             spec.name,
         )
         spec = None
+    named = spec_of(optimizer)
+    if named is not None:
+        # DeepSpeedCPUAdam / FusedAdam / FusedLamb name zerotrain's Adam and LAMB: build
+        # exactly what the config's section with these values builds (offload included).
+        log.info(
+            "%s passed to initialize: the engine runs its %s with the same hyper-parameters "
+            "and groups; step the optimizer returned by initialize",
+            type(optimizer).__name__,
+            named.name,
+        )
+        groups.options[:] = [layout_free_options(o) for o in groups.options]
+        optimizer, spec = None, named
     sharded = strategy.optimizer_over_shards
     if spec is not None and is_compressed(spec):
         flat = flat_groups(strategy, groups)

@@ -24,6 +24,7 @@ from torch import nn
 
 from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.layout import FlatLayout
+from zerotrain.shard.param_status import ZeroParamStatus, describe, forget, number, set_status
 from zerotrain.shard.storage import ResidentSlot, SlotStorage, StatePlacement
 from zerotrain.utils.invariant import invariant
 
@@ -53,6 +54,14 @@ _NEXT: dict[ShardState, frozenset[ShardState]] = {
 _WHOLE = frozenset(
     {ShardState.GATHERING, ShardState.GATHERED, ShardState.PINNED, ShardState.PERSISTENT}
 )
+# What each state shows scripts as ``param.ds_status`` (DeepSpeed's names; see param_status).
+_STATUS = {
+    ShardState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    ShardState.GATHERING: ZeroParamStatus.INFLIGHT,
+    ShardState.GATHERED: ZeroParamStatus.AVAILABLE,
+    ShardState.PINNED: ZeroParamStatus.AVAILABLE,
+    ShardState.PERSISTENT: ZeroParamStatus.AVAILABLE,
+}
 
 
 def replace_storage(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -98,6 +107,7 @@ class PartitionedParams:
         for param in self.params:
             if param.is_meta:
                 replace_storage(param, self._released)
+        describe(self.params, [spec.shape for spec in layout.params])
         self.free()
 
     def _move(self, new: ShardState, why: str) -> None:
@@ -106,6 +116,15 @@ class PartitionedParams:
             f"{why}: a unit that is {self.state.value} cannot become {new.value}",
         )
         self.state = new
+        if new is ShardState.DETACHED:
+            forget(self.params)
+        else:
+            set_status(self.params, _STATUS[new])
+
+    def number(self, first: int) -> None:
+        """Give the parameters DeepSpeed's ``ds_id`` ``first, first + 1, ...`` (unique
+        across the engine's units)."""
+        number(self.params, first)
 
     @property
     def gathered(self) -> bool:

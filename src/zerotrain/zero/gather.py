@@ -138,8 +138,11 @@ class ParamGatherer:
         self._hooks.append(root.register_forward_pre_hook(root_pre, with_kwargs=True))
         root_post = functools.partial(self._root_post, root_unit)
         self._hooks.append(root.register_forward_hook(root_post, always_call=True))
+        first_id = 0
         for u, storage in enumerate(self._storage):
             register(list(storage.params), Home(comm, self, u))  # for GatheredParameters
+            storage.number(first_id)  # DeepSpeed's ds_id, read by export scripts
+            first_id += len(storage.params)
         for u, unit in enumerate(self.units):
             if unit.numel < policy.persistence_threshold:
                 self._issue(u, count=False).wait()

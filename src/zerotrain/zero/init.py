@@ -40,6 +40,7 @@ from zerotrain.utils.memory import (
     release_free_memory,
 )
 from zerotrain.utils.torch_compat import storage_id
+from zerotrain.zero.init_args import check_init_arguments, load_init_config
 
 # Side tables, never attributes on tensors. A parameter built by Init -> its recipe, until
 # initialize computes its value (held weakly: a model dropped before that takes its recipes
@@ -307,12 +308,21 @@ class Init:
     """Context manager: modules built inside have parameters that hold no memory until
     ``zerotrain.initialize`` (ZeRO stage 3) materialises them as this rank's shards.
 
-    Args:
-        config: the training config (accepted for DeepSpeed compatibility; the stage is
-            read by ``initialize``).
+    Args (DeepSpeed's; ``zero/init_args.py`` checks them):
+        module: a model built already; accepted, nothing to do (``initialize`` partitions
+            whatever model it gets).
+        config_dict_or_path: the training config (dict or JSON path), validated here;
+            ``config`` is its older name. Partitioning and placement follow the config
+            given to ``initialize``.
         enabled: False builds the model normally.
-        **kwargs: DeepSpeed's other options (``remote_device``, ``pin_memory``, ``dtype``,
-            ``mpu``...) are not supported and raise ``TypeError`` when set.
+        remote_device: ``"cpu"``/``"nvme"``/``"none"``: must agree with the config's
+            ``zero_optimization.offload_param.device`` (which places the shards).
+        pin_memory, mem_efficient_linear: accepted; no effect.
+        dtype: fp32 or the config's bf16/fp16 compute dtype (``initialize`` casts to it).
+        mpu: accepted; the ZeRO group comes from ``initialize``.
+        data_parallel_group, zero_param_parallel_group, sequence_data_parallel_group,
+            zero_quantized_weights, zero_quantized_nontrainable_weights, param_swapper:
+            refused when set (``ValueError``).
 
     Every rank must build the same model inside the context. Each records the random
     states its operations drew from; ``initialize`` replaces them with rank 0's (of each
@@ -330,14 +340,40 @@ class Init:
     is done.
     """
 
-    def __init__(self, config: Any = None, enabled: bool = True, **kwargs: Any) -> None:
-        del config
-        unsupported = {k: v for k, v in kwargs.items() if v not in (None, False)}
-        if unsupported:
-            raise TypeError(
-                f"zerotrain.zero.Init does not support {sorted(unsupported)}; parameters are "
-                "created in their declared dtype on CPU and partitioned by initialize()"
-            )
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+    ) -> None:
+        # mem_efficient_linear and pin_memory choose DeepSpeed kernels and host buffers;
+        # zerotrain has neither here (offload_param.pin_memory governs pinning).
+        del mem_efficient_linear, pin_memory
+        check_init_arguments(
+            load_init_config(config_dict_or_path, config),
+            module=module,
+            data_parallel_group=data_parallel_group,
+            remote_device=remote_device,
+            dtype=dtype,
+            mpu=mpu,
+            zero_param_parallel_group=zero_param_parallel_group,
+            zero_quantized_weights=zero_quantized_weights,
+            zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+            sequence_data_parallel_group=sequence_data_parallel_group,
+            param_swapper=param_swapper,
+        )
         self.enabled = enabled
         self._mode: _RecordMode | None = None
         self._new: Any = None
