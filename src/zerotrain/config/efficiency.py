@@ -18,6 +18,7 @@ from zerotrain.config.types import (
     Bool,
     Float,
     Int,
+    LooseSection,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -164,6 +165,9 @@ class DataSamplingConfig(Section):
     num_workers: NonNegativeInt = 0
     pin_memory: Bool = False
     curriculum_learning: DataCurriculumConfig = Field(default_factory=DataCurriculumConfig)
+    # DeepSpeed's token-budget dynamic batching (needs its data analyzer's metrics): refused
+    # when enabled (features.py).
+    dynamic_batching: LooseSection | None = None
 
 
 class RandomLTDScheduleParams(Section):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from pydantic import BaseModel
+
 from zerotrain.config import optim_params
 from zerotrain.config.efficiency import SEQLEN_METRICS
 from zerotrain.config.schema import ZeroTrainConfig
@@ -25,8 +27,10 @@ _LOOSE_ENABLED_BY_FLAG = (
     "quantize_training",
     "hybrid_engine",
     "nebula",
+    "comet",
+    "expert_parallel",
 )
-_LOOSE_ENABLED_BY_PRESENCE = ("compression_training",)
+_LOOSE_ENABLED_BY_PRESENCE = ("compression_training", "weight_quantization")
 
 # zero_optimization keys that only act at a given stage or above.
 _ZERO_KEYS_FROM_STAGE = MappingProxyType(
@@ -52,7 +56,7 @@ _ZERO_KEYS_FROM_STAGE = MappingProxyType(
 
 
 # DeepSpeed tuning knobs for its own implementation, and what zerotrain does instead.
-_ZERO_KEYS_ZEROTRAIN_DECIDES = MappingProxyType(
+ZERO_KEYS_ZEROTRAIN_DECIDES = MappingProxyType(
     {
         "allgather_partitions": "updated shards are always all-gathered (on gloo as one "
         "broadcast per shard)",
@@ -62,6 +66,8 @@ _ZERO_KEYS_ZEROTRAIN_DECIDES = MappingProxyType(
         "contiguous_gradients": "the gradient partition is always one contiguous buffer",
         "round_robin_gradients": "each rank reduces into its own contiguous partition",
         "legacy_stage1": "there is one implementation of stage 1",
+        "load_from_fp32_weights": "a checkpoint's fp32 master weights are always restored "
+        "where it saved them",
         "ignore_unused_parameters": "parameters without a gradient are always handled "
         "(left untouched, as in plain PyTorch)",
         "elastic_checkpoint": "checkpoints will not depend on the world size",
@@ -69,6 +75,94 @@ _ZERO_KEYS_ZEROTRAIN_DECIDES = MappingProxyType(
         "when needed (prefetched from the previous pass's order)",
         "sub_group_size": "each unit's slice is stepped as one tensor per optimizer group",
         "memory_efficient_linear": "zerotrain does not replace the model's linear layers",
+        "use_multi_rank_bucket_allreduce": "stage 0 reduces each bucket with one "
+        "all-reduce over the whole group",
+        "stage3_model_persistence_threshold": "persistence is decided per unit by "
+        "stage3_param_persistence_threshold, with no model-wide cap",
+        "stage3_module_granularity_threshold": "stage-3 units are the repeated blocks or "
+        "stage3_unit_classes",
+        "stage3_use_all_reduce_for_fetch_params": "stage-3 units are always all-gathered",
+        "stage3_allgather_sequential": "each unit is all-gathered as one flat buffer",
+        "zeropp_loco_param": "it tunes ZeRO++ quantized gradients, which are not implemented",
+        "mics_hierarchical_params_gather": "it tunes MiCS, which is not implemented",
+        "pipeline_loading_checkpoint": "checkpoints are loaded into the sharded layout "
+        "whatever the pipeline setup",
+        "override_module_apply": "zerotrain does not patch nn.Module.apply; gather stage-3 "
+        "parameters with GatheredParameters to change them",
+        "log_trace_cache_warnings": "prefetching follows the previous pass's order and "
+        "logs no trace warnings",
+        "enable_sanity_checks": "broken invariants always raise",
+        "save_muon_momentum_buffer_in_memory": "the Muon optimizer is not implemented",
+        "leaf_module": "stage-3 units are chosen by stage3_unit_classes (class names), "
+        "which is the closest equivalent",
+    }
+)
+
+# Keys of current DeepSpeed releases that do nothing here whatever their value: each,
+# when written in the config, draws one warning at initialize with the reason (dotted
+# path -> why). docs/config.md's key table quotes these reasons.
+NO_EFFECT_WHEN_SET: MappingProxyType[str, str] = MappingProxyType(
+    {
+        "disable_allgather": "zerotrain picks the collective that shares updated shards "
+        "itself (all-gather, or broadcasts on gloo)",
+        "seq_parallel_communication_data_type": "the Ulysses all-to-alls carry activations "
+        "in the dtype the model computes in",
+        "graph_harvesting": "zerotrain captures no graphs of its optimizer step",
+        "vocabulary_size": "DeepSpeed only warned when it is not a multiple of 8; zerotrain "
+        "does not check it",
+        "log_level": "set the level with the ZEROTRAIN_LOG_LEVEL environment variable",
+        "use_data_before_expert_parallelism": "it orders the axes of expert-parallel "
+        "groups, and zerotrain has no expert parallelism",
+        "timers": "DeepSpeed's throughput timer; zerotrain reports step times with "
+        "wall_clock_breakdown",
+        "optimizer.legacy_fusion": "zerotrain chooses the optimizer kernel itself",
+        "data_types.param_dtype": "DeepSpeed only checked it against fp16/bf16; the "
+        "precision sections set the parameter dtype",
+        "data_types.buffer_dtype": "buffers are cast with the parameters to the dtype the "
+        "precision sections choose",
+        "checkpoint.checkpoint_serialization": "zerotrain writes its own checkpoint files "
+        "(safetensors shards and a manifest)",
+        "checkpoint.writer": "zerotrain writes its own checkpoint files (DeepSpeed's "
+        "FastPersist writer is not used)",
+        "checkpoint.parallel_write": "every rank writes its own files; there is no "
+        "pipeline-stage write schedule",
+        "zero_optimization.offload_optimizer.pipeline_read": "zerotrain's NVMe swapper "
+        "schedules its own reads",
+        "zero_optimization.offload_optimizer.pipeline_write": "zerotrain's NVMe swapper "
+        "schedules its own writes",
+        "zero_optimization.offload_optimizer.fast_init": "offloaded states are created "
+        "directly where they live",
+        "zero_optimization.offload_optimizer.ratio": "the whole optimizer step is offloaded "
+        "(partial offload is not implemented)",
+        "zero_optimization.offload_param.buffer_size": "parameter shards are swapped whole, "
+        "in buffer_count buffers",
+        "aio.queue_depth": "zerotrain's NVMe I/O is tuned by aio.thread_count and "
+        "aio.block_size only",
+        "aio.single_submit": "zerotrain's NVMe I/O is tuned by aio.thread_count and "
+        "aio.block_size only",
+        "aio.overlap_events": "zerotrain's NVMe I/O is tuned by aio.thread_count and "
+        "aio.block_size only",
+        "aio.use_gds": "GPUDirect Storage is not used; NVMe I/O goes through host memory",
+        "aio.intra_op_parallelism": "zerotrain's NVMe I/O is tuned by aio.thread_count and "
+        "aio.block_size only",
+        "flops_profiler.recompute_fwd_factor": "the profiler reports the forward as "
+        "measured, without a recomputation estimate",
+        "data_efficiency.data_sampling.num_epochs": "the seqlen curriculum truncates the "
+        "batches of your own data loader; there is no curriculum sampler",
+        "data_efficiency.data_sampling.num_workers": "the seqlen curriculum truncates the "
+        "batches of your own data loader; there is no curriculum sampler",
+        "data_efficiency.data_sampling.pin_memory": "the seqlen curriculum truncates the "
+        "batches of your own data loader; there is no curriculum sampler",
+        "tensor_parallel.dtype": "split layers keep the dtype the precision sections give "
+        "the model",
+        "tensor_parallel.tp": "inference tensor-parallel options; training splits by autotp_size",
+        "tensor_parallel.injection_policy_tuple": "zerotrain splits layers by "
+        "partition_config, preset_model or plan, never by injection policies",
+        "tensor_parallel.partition_config.tp_size": "the degree is tensor_parallel.autotp_size",
+        "tensor_parallel.partition_config.embedding_partition_dim": "embeddings stay whole "
+        "(DeepSpeed's AutoTP training does not read it either)",
+        "tensor_parallel.partition_config.lm_head_patterns": "the output head stays whole "
+        "(DeepSpeed's AutoTP training does not read it either)",
     }
 )
 
@@ -107,7 +201,11 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
             f"optimizer.type={chosen} with offload: the offloaded step runs "
             f"{' or '.join(sorted(OFFLOAD_OPTIMIZERS))}"
         )
-    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+    for key in (
+        "zero_quantized_weights",
+        "zero_quantized_gradients",
+        "zero_quantized_nontrainable_weights",
+    ):
         if getattr(zero, key):
             found.append(f"zero_optimization.{key}=true: quantized ZeRO communication")
     if zero.zero_hpz_partition_size > 1:
@@ -132,6 +230,7 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         )
     if cfg.sparse_gradients:
         found.append("sparse_gradients=true: sparse gradient all-reduce")
+    found += _recent_deepspeed_not_implemented(cfg)
     if cfg.optimizer is not None:
         key = optim_params.canonical_optimizer(cfg.optimizer.type)
         if key in optim_params.OPTIMIZERS_NOT_IMPLEMENTED:
@@ -149,6 +248,30 @@ def not_implemented(cfg: ZeroTrainConfig) -> list[str]:
         section = getattr(cfg, name)
         if section is not None and _loose_enabled(name, section):
             found.append(f"{name}: {name.replace('_', ' ')}")
+    return found
+
+
+def _recent_deepspeed_not_implemented(cfg: ZeroTrainConfig) -> list[str]:
+    """Enabled features of DeepSpeed 0.17-0.19 keys that this version cannot run."""
+    found: list[str] = []
+    if not cfg.managed_gradient_accumulation:
+        found.append(
+            "managed_gradient_accumulation=false: caller-owned accumulation boundaries "
+            "(zerotrain counts micro-steps against gradient_accumulation_steps)"
+        )
+    if cfg.tensor_parallel is not None and cfg.tensor_parallel.replace_with_kernel_inject:
+        found.append("tensor_parallel.replace_with_kernel_inject=true: kernel injection")
+    if cfg.datastates_ckpt is not None and cfg.datastates_ckpt is not False:
+        found.append("datastates_ckpt: DataStates asynchronous checkpointing")
+    if cfg.compile is not None and (cfg.compile.model_extra or {}).get("deepcompile"):
+        found.append("compile.deepcompile=true: DeepCompile")
+    sampling = cfg.data_efficiency.data_sampling if cfg.data_efficiency else None
+    batching = sampling.dynamic_batching if sampling is not None else None
+    if batching is not None and batching.enabled:
+        found.append(
+            "data_efficiency.data_sampling.dynamic_batching: dynamic batching (needs "
+            "DeepSpeed's data analyzer's metrics)"
+        )
     return found
 
 
@@ -207,9 +330,9 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
     zero = cfg.zero_optimization
     for key in sorted(zero.model_fields_set):
         stage = _ZERO_KEYS_FROM_STAGE.get(key)
-        if key in _ZERO_KEYS_ZEROTRAIN_DECIDES:
+        if key in ZERO_KEYS_ZEROTRAIN_DECIDES:
             notes.append(
-                f"zero_optimization.{key} has no effect: {_ZERO_KEYS_ZEROTRAIN_DECIDES[key]}"
+                f"zero_optimization.{key} has no effect: {ZERO_KEYS_ZEROTRAIN_DECIDES[key]}"
             )
         elif stage is not None and zero.stage < stage:
             notes.append(
@@ -255,17 +378,40 @@ def inert_keys(cfg: ZeroTrainConfig) -> list[str]:
                     f"pipeline.{key}: DeepSpeed splits stage messages over the tensor-parallel "
                     "group; zerotrain sends them whole, so this key has no effect"
                 )
+        if "use_reentrant" in cfg.pipeline.model_fields_set:
+            notes.append(
+                "pipeline.use_reentrant: zerotrain's activation checkpointing is always "
+                "non-reentrant; this key has no effect"
+            )
     uses_nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
     if "aio" in cfg.model_fields_set and not uses_nvme:
         notes.append("aio: only used by NVMe offload, which this config does not enable")
     return notes
 
 
+def _is_set(cfg: ZeroTrainConfig, path: str) -> bool:
+    """Whether the config writes the key at dotted ``path`` (sections it lacks write none)."""
+    *parents, key = path.split(".")
+    node: object = cfg
+    for part in parents:
+        node = getattr(node, part, None)
+    return isinstance(node, BaseModel) and key in node.model_fields_set
+
+
 def ignored_keys(cfg: ZeroTrainConfig) -> list[str]:
     """Keys of current DeepSpeed releases that are accepted but have no effect here, each
     with the reason (logged as warnings at ``initialize``: a DeepSpeed user expects them to
     do something)."""
-    found: list[str] = []
+    found = [
+        f"{path} has no effect: {why}"
+        for path, why in NO_EFFECT_WHEN_SET.items()
+        if _is_set(cfg, path)
+    ]
+    if cfg.compile is not None and not (cfg.compile.model_extra or {}).get("deepcompile"):
+        found.append(
+            "compile has no effect: its keys tune DeepCompile, which is off (and not "
+            "implemented); use torch.compile on the model"
+        )
     zero = cfg.zero_optimization
     if zero.zenflow is not None and zero.zenflow.enabled is not False:
         found.append(

@@ -22,7 +22,29 @@ _RENAMES: Mapping[tuple[tuple[str, ...], str], str] = MappingProxyType(
         (("zero_optimization",), "gather_16bit_weights_on_model_save"): (
             "stage3_gather_16bit_weights_on_model_save"
         ),
+        # DeepSpeed's ZeRO model takes its stage-3 keys without the prefix too (populate by
+        # field name); zerotrain keeps the prefixed spelling configs are written with.
+        **{
+            (("zero_optimization",), name): f"stage3_{name}"
+            for name in (
+                "prefetch_bucket_size",
+                "param_persistence_threshold",
+                "model_persistence_threshold",
+                "max_live_parameters",
+                "max_reuse_distance",
+                "module_granularity_threshold",
+                "use_all_reduce_for_fetch_params",
+                "allgather_sequential",
+            )
+        },
+        # DeepSpeed's TPTrainingConfig: field names next to their aliases.
+        (("tensor_parallel",), "tensor_parallel"): "tp",
+        (("tensor_parallel",), "kernel_inject"): "replace_with_kernel_inject",
     }
+)
+# Every spelling renamed above, as dotted paths (the key table lists them).
+RENAMED_PATHS: Mapping[str, str] = MappingProxyType(
+    {".".join((*path, old)): ".".join((*path, new)) for (path, old), new in _RENAMES.items()}
 )
 
 
@@ -41,10 +63,16 @@ def _rename(
 
 
 def _cpu_offload_flags(zero: dict[str, Any], notes: list[str]) -> list[ConfigProblem]:
-    """``cpu_offload`` / ``cpu_offload_params`` / ``cpu_offload_use_pin_memory`` (pre-0.3.16)."""
+    """``cpu_offload`` / ``cpu_offload_param(s)`` / ``cpu_offload_use_pin_memory`` (pre-0.3.16)."""
     problems: list[ConfigProblem] = []
     pin = zero.pop("cpu_offload_use_pin_memory", None)
-    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+    # DeepSpeed 0.19 spells the parameter flag cpu_offload_param; older docs, with an s.
+    flags = (
+        ("cpu_offload", "offload_optimizer"),
+        ("cpu_offload_param", "offload_param"),
+        ("cpu_offload_params", "offload_param"),
+    )
+    for old, new in flags:
         if old not in zero:
             continue
         flag = zero.pop(old)

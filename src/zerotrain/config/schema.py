@@ -42,6 +42,8 @@ class OptimizerConfig(Section):
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
+    # DeepSpeed's switch for its old fused-optimizer wrapper; no effect here (warned).
+    legacy_fusion: Bool | None = None
 
 
 class SchedulerConfig(Section):
@@ -171,6 +173,24 @@ class ZeroConfig(Section):
     # DeepSpeed 0.18+: ZenFlow (stall-free offloading: top-k gradient columns stepped at
     # once, the rest later). Accepted; no effect here (a warning says so).
     zenflow: LooseSection | None = None
+    # DeepSpeed 0.19 tuning knobs of its own implementation; accepted, no effect (noted by
+    # features.py with what zerotrain does instead). Unprefixed spellings are renamed to the
+    # stage3_ ones by legacy.py.
+    use_multi_rank_bucket_allreduce: Bool = True
+    stage3_model_persistence_threshold: NonNegativeInt | None = None  # DeepSpeed: sys.maxsize
+    stage3_module_granularity_threshold: Int = 0
+    stage3_use_all_reduce_for_fetch_params: Bool = False
+    stage3_allgather_sequential: Bool = False
+    zeropp_loco_param: dict[str, Any] | None = None
+    mics_hierarchical_params_gather: Bool = False
+    pipeline_loading_checkpoint: Bool = False
+    override_module_apply: Bool = True
+    log_trace_cache_warnings: Bool = False
+    enable_sanity_checks: Bool = False
+    save_muon_momentum_buffer_in_memory: Bool = False
+    leaf_module: LooseSection | None = None
+    # ZeRO++ quantized frozen weights: refused when true, like zero_quantized_weights.
+    zero_quantized_nontrainable_weights: Bool = False
 
     @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod
@@ -244,6 +264,10 @@ class DataTypesConfig(Section):
     """``data_types``: dtype of the gradient accumulation buffer."""
 
     grad_accum_dtype: DTypeName | None = None
+    # DeepSpeed 0.19: a check of the parameter dtype against fp16/bf16, and a dtype for
+    # buffers. No effect here (warned): the precision sections set both.
+    param_dtype: DTypeName | None = None
+    buffer_dtype: DTypeName | None = None
 
 
 class AioConfig(Section):
@@ -267,6 +291,10 @@ class CheckpointConfig(Section):
     load_universal: Bool = False
     use_node_local_storage: Bool = False
     parallel_write: dict[str, Any] = Field(default_factory=dict)
+    # DeepSpeed's torch.save serialization switch and FastPersist writer; zerotrain writes
+    # its own files, so both have no effect (warned).
+    checkpoint_serialization: Bool = True
+    writer: dict[str, Any] | None = None
 
 
 PARTITION_METHODS = ("parameters", "uniform", "type:REGEX", "best")
@@ -299,6 +327,11 @@ class TensorParallelPartitionConfig(Section):
     use_default_specs: Bool = True
     # Every Linear must match a spec (a Linear left whole would be an error).
     strict_mode: Bool = False
+    # DeepSpeed's AutoTPConfig keys that its training path never reads either (the degree
+    # is autotp_size; embeddings and the output head stay whole): no effect, warned.
+    tp_size: PositiveInt | None = None
+    embedding_partition_dim: Int | None = None
+    lm_head_patterns: list[str] | None = None
 
 
 class TensorParallelConfig(Section):
@@ -314,6 +347,13 @@ class TensorParallelConfig(Section):
     # unsplit model is kept while it is split.
     tp_overlap_comm: Bool = False
     keep_module_on_host: Bool = False
+    # More DeepSpeed TPTrainingConfig keys: the dtype and inference-TP options its AutoTP
+    # passes to module injection (no effect here, warned; "tensor_parallel" is renamed to
+    # "tp" by legacy.py), and kernel injection (refused when true; alias "kernel_inject").
+    dtype: str | None = None
+    tp: dict[str, Any] | None = None
+    injection_policy_tuple: Any = None
+    replace_with_kernel_inject: Bool = False
     # zerotrain: {module-name glob: style} (see zerotrain.parallel.tensor.plan); default:
     # the model's own plan (a transformers model's _tp_plan) when no specs are given.
     plan: dict[str, str] | None = None
@@ -342,6 +382,9 @@ class PipelineConfig(Section):
     # tensor-parallel group: accepted for compatibility, no effect.
     pipe_partitioned: Bool = True
     grad_partitioned: Bool = True
+    # DeepSpeed: reentrant activation checkpointing in the pipeline; zerotrain always
+    # checkpoints without reentrancy (noted, no effect).
+    use_reentrant: Bool = True
     # zerotrain: the order of micro-batch forwards and backwards.
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1"] = "1f1b"
     # zerotrain: layer chunks per rank; above 1 needs schedule "interleaved".
@@ -458,6 +501,18 @@ class ZeroTrainConfig(Section):
     gradient_predivide_factor: PositiveFloat = 1.0
     communication_data_type: DTypeName | None = None
     sparse_gradients: Bool = False
+    # DeepSpeed 0.19: false hands the accumulation boundary to the caller (every step()
+    # updates); zerotrain counts micro-steps itself, so false is refused.
+    managed_gradient_accumulation: Bool = True
+    # DeepSpeed keys accepted with a warning that they have no effect here (features.py
+    # NO_EFFECT_WHEN_SET says why for each).
+    disable_allgather: Bool = False
+    seq_parallel_communication_data_type: DTypeName | None = None
+    graph_harvesting: Bool = False
+    vocabulary_size: NonNegativeInt | None = None
+    log_level: str | None = None
+    use_data_before_expert_parallelism: Bool = False
+    timers: LooseSection | None = None
 
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
@@ -503,6 +558,13 @@ class ZeroTrainConfig(Section):
     quantize_training: LooseSection | None = None
     hybrid_engine: LooseSection | None = None
     nebula: LooseSection | None = None
+    comet: LooseSection | None = None
+    expert_parallel: LooseSection | None = None
+    weight_quantization: LooseSection | None = None
+    # DeepSpeed enables DataStates checkpointing whenever the key is present and not false.
+    datastates_ckpt: LooseSection | Bool | None = None
+    # DeepSpeed's DeepCompile options; refused when "deepcompile" is true, else no effect.
+    compile: LooseSection | None = None
 
     # Where "auto" values were resolved; filled by the loader and logged at initialize.
     _auto_notes: tuple[str, ...] = PrivateAttr(default=())
