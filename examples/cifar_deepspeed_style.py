@@ -98,7 +98,7 @@ def main() -> None:
     torch.manual_seed(0)
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
-    model_engine, optimizer, trainloader, _ = deepspeed.initialize(
+    model_engine, _optimizer, trainloader, _ = deepspeed.initialize(
         args=args,
         model=net,
         model_parameters=parameters,
