@@ -52,6 +52,24 @@ def _spec(stage: int, bf16: bool = False, sgd: bool = False) -> RunSpec:
     )
 
 
+class _DictOutputs(torch.nn.Module):
+    """The demo GPT returning what a transformers model returns: the loss and the logits
+    and hidden states it was computed from (parameter names as the GPT's)."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        g = self.gpt
+        h = g.drop(g.wte(x) + g.wpe(torch.arange(x.shape[1])))
+        for block in g.blocks:
+            h = block(h)
+        logits = g.lm_head(g.ln_f(h))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return {"loss": loss, "logits": logits, "hidden_states": h}
+
+
 def _global_mean(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
@@ -59,7 +77,8 @@ def _global_mean(value: float) -> float:
 
 
 def _train(spec: RunSpec, style: str) -> dict:
-    model = make_model(spec)
+    gpt = make_model(spec)
+    model = _DictOutputs(gpt) if style == "torch_outputs" else gpt
     engine, *_ = zerotrain.initialize(
         model=model, config=zerotrain_config(spec, dist.get_world_size())
     )
@@ -84,6 +103,13 @@ def _train(spec: RunSpec, style: str) -> dict:
                 loss.backward()  # torch-style: the engine's output hooks run its pass
                 total += loss.item()
                 engine.step()
+            elif style == "torch_outputs":
+                # A transformers-style output: the loss and the tensors it came from; the
+                # gradient is divided once, at the loss (not again at the logits).
+                out = engine(x, y)
+                out["loss"].backward()
+                total += out["loss"].item()
+                engine.step()
             elif style == "default":
                 loss = engine(x, y)
                 engine.backward(loss)
@@ -106,8 +132,8 @@ def _train(spec: RunSpec, style: str) -> dict:
                 raise ValueError(style)
         losses.append(_global_mean(total / gas))
         boundaries.append(engine.global_steps)
-    with zerotrain.zero.GatheredParameters(model.parameters()):
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with zerotrain.zero.GatheredParameters(gpt.parameters()):
+        params = {name: p.detach().clone() for name, p in gpt.named_parameters()}
     engine.destroy()
     return {"losses": losses, "params": params, "global_steps": boundaries, "flags": flags}
 
@@ -116,7 +142,7 @@ def _train(spec: RunSpec, style: str) -> dict:
 def test_backward_styles_of_deepspeed_scripts_train_like_one_process(stage):
     spec = _spec(stage)
     reference = train_reference(spec, 2)
-    for style in ("two_backwards", "boundary", "torch"):
+    for style in ("two_backwards", "boundary", "torch", "torch_outputs"):
         result = run_distributed(_train, 2, spec, style)[0]
         assert_matches(result, reference)
         assert result["global_steps"] == list(range(1, STEPS + 1)), style

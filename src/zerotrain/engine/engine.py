@@ -66,6 +66,24 @@ _RELEASED_IN_BACKWARD = (
 )
 
 
+def _graph_roots(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs no other output was computed from. A gradient scaled at an output must
+    not be scaled again at an output it flows into (a model returning its loss and the
+    logits the loss came from, as transformers models do): only these are hooked. One walk
+    of the autograd graph, and only when there are several outputs."""
+    if len(outputs) < 2:
+        return outputs
+    upstream: set[Any] = set()  # autograd nodes some output's gradient reaches
+    stack = [fn for t in outputs for fn, _ in t.grad_fn.next_functions if fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in upstream:
+            continue
+        upstream.add(node)
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return [t for t in outputs if t.grad_fn not in upstream]
+
+
 class _EngineBackward:
     """Counts ``engine.backward()`` calls running in this process, of any engine: output
     hooks of torch-style backward stay quiet under them."""
@@ -195,8 +213,8 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         it. Nothing happens under ``engine.backward()``, this engine's or another's: a
         gradient reaching this engine from another engine's pass stays an outside gradient
         in ``param.grad`` (a GAN's discriminator), as before."""
-        found = [t for t in tensors_in(out) if t.requires_grad]
-        for tensor in found:
+        found = [t for t in tensors_in(out) if t.requires_grad and t.grad_fn is not None]
+        for tensor in _graph_roots(found):
             tensor.register_hook(self._torch_style_output_grad)
         scalar = [t for t in found if t.numel() == 1]
         self._torch_style_loss = scalar[0].detach() if len(scalar) == 1 else None
