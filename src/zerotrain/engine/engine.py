@@ -74,7 +74,8 @@ def _graph_roots(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if len(outputs) < 2:
         return outputs
     upstream: set[Any] = set()  # autograd nodes some output's gradient reaches
-    stack = [fn for t in outputs for fn, _ in t.grad_fn.next_functions if fn is not None]
+    nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    stack = [fn for node in nodes for fn, _ in node.next_functions if fn is not None]
     while stack:
         node = stack.pop()
         if node in upstream:
