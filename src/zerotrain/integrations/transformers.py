@@ -1,0 +1,252 @@
+"""``ZeroTrainTrainer``: the transformers ``Trainer`` training through a zerotrain engine,
+without DeepSpeed installed.
+
+    from zerotrain.integrations.transformers import ZeroTrainTrainer
+    trainer = ZeroTrainTrainer(model=model, args=args, train_dataset=data,
+                               zerotrain_config={"zero_optimization": {"stage": 3}})
+    trainer.train()
+
+The Trainer keeps its own loop, optimizer, schedule, logging and data; the engine replaces
+what DDP (or DeepSpeed) would do, and nothing is done twice:
+
+* the config's batch, accumulation, clipping and precision keys are filled from
+  ``TrainingArguments`` where they are ``"auto"`` or missing, and must agree with them
+  otherwise; the Trainer's optimizer and schedule are used (a config ``optimizer`` or
+  ``scheduler`` section is refused);
+* the Trainer decides the accumulation windows (a short last window at an epoch's end
+  included) and divides the loss by the window's length; the engine is told both
+  (``set_gradient_accumulation_boundary``, ``backward(scale_wrt_gas=False)``), so the
+  gradient equals the Trainer's own under DDP;
+* ``optimizer.step()`` of the Trainer is the engine's step (clipping there, once); the
+  Trainer's schedule moves the engine optimizer's rates, and the logged rate is the one the
+  step used;
+* ``save_model`` writes the whole model from rank 0 (ties kept; at stage 3 gathered one
+  module at a time); Trainer checkpoints hold a zerotrain checkpoint beside the model, so
+  ``resume_from_checkpoint`` continues exactly, also at another world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from transformers import Trainer
+
+import zerotrain
+from zerotrain.engine.engine import Engine
+from zerotrain.engine.model_export import consolidated_state_dict
+from zerotrain.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+ENGINE_CHECKPOINT = "zerotrain"  # folder of a Trainer checkpoint holding the engine's
+SCHEDULER_FILE = "scheduler.pt"
+
+
+class _EngineStep(torch.optim.Optimizer):
+    """What the Trainer steps: the engine's optimizer, whose ``step()`` is the engine's
+    (clip, update, zero the gradients). Its param groups are the engine optimizer's, so
+    the Trainer's schedule sets the rates the engine uses."""
+
+    def __init__(self, engine: Engine) -> None:
+        # Optimizer.__init__ is not called: this object owns no parameters or state.
+        self.engine = engine
+        self.inner: Any = engine.optimizer
+        self.defaults = getattr(self.inner, "defaults", {})
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+
+    # Looked up each time: loading a checkpoint may give the engine's optimizer new groups.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        del closure
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none  # the engine zeroes its window at every step
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+def filled_config(
+    source: dict[str, Any] | str | os.PathLike[str] | None, args: Any
+) -> dict[str, Any]:
+    """``source`` with ``"auto"`` and missing keys taken from ``TrainingArguments``; a set
+    value that contradicts them is refused, naming both."""
+    if source is None:
+        source = {}
+    elif not isinstance(source, dict):
+        source = json.loads(Path(source).read_text())
+    config: dict[str, Any] = json.loads(json.dumps(source))  # a deep copy
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise ValueError(
+                f"zerotrain_config has an '{section}' section, but the Trainer builds the "
+                f"{section} from TrainingArguments (learning_rate, weight_decay, "
+                "lr_scheduler_type, ...): remove the section"
+            )
+    wanted = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": float(args.max_grad_norm or 0.0),
+    }
+    for key, value in wanted.items():
+        given = config.get(key, "auto")
+        if given != "auto" and given != value:
+            raise ValueError(
+                f"zerotrain_config {key}={given!r} disagrees with TrainingArguments "
+                f'({value!r}); set it to "auto" or to the same value'
+            )
+        config[key] = value
+    config.pop("train_batch_size", None)  # follows from the two above and the world size
+    for name, flag in (("bf16", args.bf16), ("fp16", args.fp16)):
+        section = config.setdefault(name, {})
+        enabled = section.get("enabled", "auto")
+        if enabled not in ("auto", flag):
+            raise ValueError(
+                f"zerotrain_config {name}.enabled={enabled!r} disagrees with "
+                f"TrainingArguments.{name}={flag}"
+            )
+        section["enabled"] = bool(flag)
+    return config
+
+
+class ZeroTrainTrainer(Trainer):
+    """A ``transformers.Trainer`` whose training runs through a zerotrain engine.
+
+    Args:
+        zerotrain_config: the zerotrain (DeepSpeed-style) config, a dict or a JSON path,
+            without ``optimizer``/``scheduler`` sections; batch, accumulation, clipping and
+            precision come from ``TrainingArguments`` (``"auto"``).
+        *args, **kwargs: as for ``Trainer``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        zerotrain_config: dict[str, Any] | str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.zerotrain_config = filled_config(zerotrain_config, self.args)
+        self.engine: Engine | None = None
+
+    # -- the engine in the Trainer's loop --------------------------------------------------
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        if not training:
+            return self.engine if self.engine is not None else model
+        if self.engine is None:
+            if self.optimizer is None:
+                self.create_optimizer()
+            engine, _, _, _ = zerotrain.initialize(
+                model=self.model, optimizer=self.optimizer, config=self.zerotrain_config
+            )
+            self.engine = engine
+            # The Trainer builds its schedule on this, after wrapping (so over the
+            # engine's optimizer, rebuilt over the shards at stages 1-3).
+            self.optimizer = _EngineStep(engine)
+        return self.engine
+
+    def training_step(
+        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        engine = self.engine
+        if engine is None or model is not engine:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = cast(
+                torch.Tensor,
+                self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch),
+            )
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        # The Trainer's window (a short one at an epoch's end too) and its division. Its
+        # micro-batches before the last run inside accelerate's no_sync, which is the
+        # engine's: they accumulate locally and the last backward reduces them all; the
+        # Trainer's optimizer.step() then steps the engine.
+        engine.set_gradient_accumulation_boundary(bool(self.accelerator.sync_gradients))
+        engine.backward(loss, scale_wrt_gas=False)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        if self.engine is None:
+            return super()._clip_grad_norm(model)
+        return None  # the engine clips (gradient_clipping = max_grad_norm) in its step
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        if self.engine is None:
+            return super()._get_grad_norm(model, grad_norm)
+        return self.engine.get_global_grad_norm()  # of the previous step: this one is ahead
+
+    # -- saving and resuming --------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.engine is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        # Collective at stage 3; a copy on rank 0 whose ties are one tensor under each name
+        # (the engine's parameters are views of flat buffers, which save_pretrained would
+        # take for tied weights).
+        state = consolidated_state_dict(self.engine)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.engine is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT), tag="state")
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self.engine is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # else: the weights come with the engine's checkpoint (_load_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.engine is None or checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        self.engine.load_checkpoint(
+            os.path.join(checkpoint, ENGINE_CHECKPOINT), tag="state", load_lr_scheduler_states=False
+        )
+        scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
+        if self.lr_scheduler is not None and os.path.exists(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            if self.engine is not None:
+                # The model holds its trained weights whole again (as after DDP training);
+                # a later train() builds a new engine.
+                self.engine.destroy()
+                self.engine = None
+                self.optimizer = None
+                self.lr_scheduler = None
+                self.model_wrapped = self.model  # type: ignore[assignment]
