@@ -1,7 +1,7 @@
-"""The DeepSpeed-style examples run unchanged under ``zerotrain run -n 2`` (tiny sizes): the
-CIFAR tutorial's script learns its synthetic classes; the two-engine GAN trains (the
-discriminator's two backward() calls per step included) and moves its samples towards the
-ring."""
+"""The ecosystem examples run under ``zerotrain run -n 2`` (tiny sizes): the CIFAR
+tutorial's script (only the import changed) learns its synthetic classes; the two-engine GAN
+trains (the discriminator's two backward() calls per step included) and moves its samples
+towards the ring; the transformers Trainer fine-tune saves a model that loads with its tie."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,3 +60,20 @@ def test_gan_with_two_engines_trains_at_stage_2(tmp_path):
     found = re.search(r"distance from the ring: ([\d.]+) before, ([\d.]+) after", out)
     assert found, out
     assert float(found[2]) < float(found[1]), out
+
+
+def test_trainer_finetune_example_saves_a_loadable_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = _run(
+        "examples/trainer_finetune.py",
+        "--stage",
+        "3",
+        "--max-steps",
+        "4",
+        "--output-dir",
+        str(tmp_path / "model"),
+    )
+    assert "trainer_finetune: 4 steps" in out, out
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "model")
+    assert model.lm_head.weight is model.transformer.wte.weight  # the tie survived
