@@ -1,12 +1,14 @@
 """save_checkpoint is collective: ranks passing different directories, or a save called on
 some ranks only (the ``if rank == 0:`` habit of single-file checkpoints), get a clear
-error fast instead of a hang until the collective timeout (2 ranks)."""
+error fast instead of a hang until the collective timeout (2 ranks, gloo and shared
+memory)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 import zerotrain
@@ -48,21 +50,32 @@ def test_ranks_passing_different_directories_are_refused(tmp_path):
 
 def _save_on_rank_0_only(root: str) -> dict:
     engine = _engine()
-    if dist.get_rank() != 0:
-        return {"error": None, "seconds": 0.0}
+    spec = RunSpec(steps=1, grad_accum=1, stage=2)
+    x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
     start = time.monotonic()
     try:
-        engine.save_checkpoint(root)
-    except RuntimeError as error:
-        return {"error": str(error), "seconds": time.monotonic() - start}
-    return {"error": "no error", "seconds": time.monotonic() - start}
+        if dist.get_rank() == 0:
+            engine.save_checkpoint(root)
+        else:  # trains on: its next collective is a gradient reduction
+            engine.backward(engine(x, y))
+            engine.step()
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
 
 
-def test_a_save_on_one_rank_only_fails_fast_naming_the_missing_rank(tmp_path):
-    env = {"ZEROTRAIN_CHECKPOINT_ARRIVAL_TIMEOUT": "3"}
-    rank0, rank1 = run_distributed(_save_on_rank_0_only, 2, str(tmp_path), env=env)
-    assert "rank(s) 1 of 2 did not call it within 3 s" in rank0["error"]
-    assert "not under 'if rank == 0'" in rank0["error"]
-    assert rank0["seconds"] < 15
-    assert rank1["error"] is None
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_save_on_one_rank_only_fails_fast_on_both_ranks(tmp_path, shm):
+    # Every collective is checked for the same signature on every rank (gloo and the
+    # shared-memory arena): the saving rank's first one meets the other rank's gradient
+    # reduction, and both stop with a message naming both, instead of waiting for the
+    # collective timeout or exchanging mismatched data.
+    env = {"ZEROTRAIN_SHM": shm}
+    rank0, rank1 = run_distributed(_save_on_rank_0_only, 2, str(tmp_path), env=env, timeout=120)
+    for got in (rank0, rank1):
+        assert got["error"] is not None, got
+        assert "CollectiveError" in got["error"], got
+        assert got["seconds"] < 30, got
+    assert "save" in rank0["error"] or "checkpoint" in rank0["error"] or "control" in rank0["error"]
+    assert "gradients" in rank0["error"] + rank1["error"], (rank0, rank1)
     assert not any(tmp_path.rglob("*.safetensors"))

@@ -48,12 +48,7 @@ from zerotrain.checkpoint.merge import merge_indexes, write_index
 from zerotrain.checkpoint.plan import build_plan
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
 from zerotrain.checkpoint.state import TrainState
-from zerotrain.comm.agreement import (
-    absent_ranks,
-    disagreements,
-    failed_ranks,
-    filesystem_needs,
-)
+from zerotrain.comm.agreement import disagreements, failed_ranks, filesystem_needs
 from zerotrain.comm.collectives import CollectiveError, Communicator
 from zerotrain.utils.logging import get_logger
 
@@ -70,38 +65,6 @@ def agree(comm: Communicator, error: BaseException | None, what: str) -> None:
         raise CheckpointError(
             f"rank {comm.rank}: rank(s) {failed} failed while {what} (their own error says "
             "why); nothing was renamed into place"
-        )
-
-
-def arrival_timeout() -> float:
-    """Seconds ``save_checkpoint`` waits for every rank to call it:
-    ``ZEROTRAIN_CHECKPOINT_ARRIVAL_TIMEOUT``, else 60."""
-    raw = os.environ.get("ZEROTRAIN_CHECKPOINT_ARRIVAL_TIMEOUT")
-    try:
-        seconds = float(raw) if raw else 60.0
-    except ValueError:
-        raise ValueError(
-            f"ZEROTRAIN_CHECKPOINT_ARRIVAL_TIMEOUT must be a number of seconds, got {raw!r}"
-        ) from None
-    if seconds <= 0:
-        raise ValueError(f"ZEROTRAIN_CHECKPOINT_ARRIVAL_TIMEOUT must be > 0, got {seconds}")
-    return seconds
-
-
-def check_every_rank_saves(comm: Communicator) -> None:
-    """Raise, before any collective, unless every rank called ``save_checkpoint`` within
-    ``arrival_timeout()`` seconds: a save is collective, and one guarded by ``if rank ==
-    0`` (a habit from single-file checkpoints) would otherwise wait for the collective
-    timeout, or pair its collectives with the other ranks' training ones."""
-    timeout = arrival_timeout()
-    missing = absent_ranks(comm, "save_checkpoint", timeout)
-    if missing:
-        raise RuntimeError(
-            f"rank {comm.rank}: save_checkpoint is collective, but rank(s) "
-            f"{', '.join(map(str, missing))} of {comm.world_size} did not call it within "
-            f"{timeout:g} s (ZEROTRAIN_CHECKPOINT_ARRIVAL_TIMEOUT); call it on every rank "
-            "with the same save_dir and tag (zerotrain writes each rank's shards), not "
-            "under 'if rank == 0'"
         )
 
 
@@ -273,7 +236,6 @@ def save_checkpoint(
     """
     placement = state.placement
     world = placement.world
-    check_every_rank_saves(world)
     tag = check_tag(tag if tag is not None else f"global_step{state.counters().global_steps}")
     _check_same_tag(world, tag, state.tag_validation)
     keep_last = keep_last if keep_last is not None else state.keep_last

@@ -10,49 +10,20 @@ values' text, so the error can say "'optimizer.params.lr': rank 0 has 0.001, ran
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 import socket
-import time
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from zerotrain.comm import liveness
 from zerotrain.comm.collectives import Communicator
 
 MISSING = "<missing>"
 _SHOWN = 5  # differing items named in a message; the rest are counted
 _VALUE_CHARS = 200  # characters of each rank's value shown
-
-
-_ARRIVALS: dict[str, int] = {}  # calls of absent_ranks per point in this process
-
-
-def absent_ranks(comm: Communicator, point: str, timeout_s: float) -> list[int]:
-    """Ranks of ``comm`` that did not reach ``point`` within ``timeout_s`` seconds ([]: all
-    did). Each rank's n-th call for ``point`` meets the others' n-th. Checked through the
-    job's rendezvous store, not a collective: a rank that never calls (a save written only
-    ``if rank == 0``) cannot leave the others in a collective it never joins until the
-    collective timeout, nor join theirs with a different one of its own. [] where there is
-    no store to ask (one process, no ``MASTER_ADDR``)."""
-    if comm.world_size == 1:
-        return []
-    store = liveness.store_client(datetime.timedelta(seconds=max(timeout_s, 1.0)))
-    if store is None:
-        return []
-    count = _ARRIVALS[point] = _ARRIVALS.get(point, 0) + 1
-    keys = [f"zerotrain/arrival/{point}/{count}/{rank}" for rank in range(comm.world_size)]
-    store.set(keys[comm.rank], "1")
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            return [rank for rank, key in enumerate(keys) if not store.check([key])]
-        time.sleep(0.02)
-    return []
 
 
 def _hash48(text: str) -> float:
