@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 
 from zerotrain.config.features import NO_EFFECT_WHEN_SET, ZERO_KEYS_ZEROTRAIN_DECIDES
+from zerotrain.config.legacy import RENAMED_PATHS
 
 
 class Status(enum.Enum):
@@ -63,6 +64,14 @@ def _ours(path: str, note: str) -> KeyRow:
 
 def _alias(path: str, of: str, note: str = "") -> KeyRow:
     return KeyRow(path, Status.ALIAS, note, of)
+
+
+def _renamed(parent: str) -> tuple[KeyRow, ...]:
+    """Alias rows of legacy.py's renames directly inside ``parent`` ("": the top level):
+    the spellings live in one table there."""
+    return tuple(
+        _alias(old, new) for old, new in RENAMED_PATHS.items() if old.rpartition(".")[0] == parent
+    )
 
 
 _Z = "zero_optimization"
@@ -140,7 +149,7 @@ ROWS: tuple[KeyRow, ...] = (
     _refused("bf16.bf16_master_weights_and_grads", "zerotrain keeps fp32 master weights"),
     _refused("bf16.bf16_optimizer_states", "needs bf16 master weights"),
     _ours("bf16.loss_scale", "old DeepSpeed configs carry it; only 1.0 is accepted"),
-    _alias("bfloat16", "bf16"),
+    *_renamed(""),
     _impl("data_types"),
     _impl("data_types.grad_accum_dtype", "fp32 or the compute dtype"),
     _none("data_types.param_dtype"),
@@ -201,24 +210,7 @@ ROWS: tuple[KeyRow, ...] = (
     _none(f"{_Z}.stage3_use_all_reduce_for_fetch_params"),
     _none(f"{_Z}.stage3_allgather_sequential"),
     _ours(f"{_Z}.stage3_unit_classes", "class names of the modules that become stage-3 units"),
-    *(
-        _alias(f"{_Z}.{name}", f"{_Z}.stage3_{name}")
-        for name in (
-            "prefetch_bucket_size",
-            "param_persistence_threshold",
-            "model_persistence_threshold",
-            "max_live_parameters",
-            "max_reuse_distance",
-            "module_granularity_threshold",
-            "use_all_reduce_for_fetch_params",
-            "allgather_sequential",
-            "gather_16bit_weights_on_model_save",
-        )
-    ),
-    _alias(
-        f"{_Z}.stage3_gather_fp16_weights_on_model_save",
-        f"{_Z}.stage3_gather_16bit_weights_on_model_save",
-    ),
+    *_renamed(_Z),
     _none(f"{_Z}.ignore_unused_parameters"),
     _none(f"{_Z}.legacy_stage1"),
     _none(f"{_Z}.round_robin_gradients"),
@@ -344,8 +336,7 @@ ROWS: tuple[KeyRow, ...] = (
     _none(f"{_TP}.tp"),
     _none(f"{_TP}.injection_policy_tuple"),
     _refused(f"{_TP}.replace_with_kernel_inject", "kernel injection"),
-    _alias(f"{_TP}.tensor_parallel", f"{_TP}.tp"),
-    _alias(f"{_TP}.kernel_inject", f"{_TP}.replace_with_kernel_inject"),
+    *_renamed(_TP),
     _ours(f"{_TP}.plan", "{module glob: style}; wins over the specs"),
     _ours(f"{_TP}.sequence_parallel", "Megatron sequence parallelism between split blocks"),
     _refused("expert_parallel", "AutoEP expert parallelism; " + _LOOSE),
