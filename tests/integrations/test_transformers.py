@@ -117,3 +117,19 @@ def test_stage_3_checkpoint_of_2_ranks_resumes_on_1_rank(tmp_path):
     assert worst <= 1e-6, (new, old)
     for name, value in whole["params"].items():
         torch.testing.assert_close(resumed["params"][name], value, atol=1e-5, rtol=0)
+
+
+def test_config_values_that_disagree_with_training_arguments_are_refused(tmp_path):
+    from zerotrain.integrations.transformers import filled_config
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=3,
+        use_cpu=True, report_to=[],
+    )  # fmt: skip
+    assert filled_config({"train_batch_size": 6}, args)["gradient_accumulation_steps"] == 3
+    with pytest.raises(ValueError, match=r"train_batch_size=8 disagrees .* = 6"):
+        filled_config({"train_batch_size": 8}, args)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 disagrees"):
+        filled_config({"gradient_accumulation_steps": 4}, args)
+    with pytest.raises(ValueError, match=r"'optimizer' section"):
+        filled_config({"optimizer": {"type": "Adam"}}, args)

@@ -112,7 +112,15 @@ def filled_config(
                 f'({value!r}); set it to "auto" or to the same value'
             )
         config[key] = value
-    config.pop("train_batch_size", None)  # follows from the two above and the world size
+    # Follows from the two above and the world size: checked, not silently dropped.
+    total = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    given = config.pop("train_batch_size", "auto")
+    if given not in ("auto", total):
+        raise ValueError(
+            f"zerotrain_config train_batch_size={given!r} disagrees with TrainingArguments "
+            f"(per_device_train_batch_size x gradient_accumulation_steps x world size = "
+            f'{total}); set it to "auto" or to {total}'
+        )
     for name, flag in (("bf16", args.bf16), ("fp16", args.fp16)):
         section = config.setdefault(name, {})
         enabled = section.get("enabled", "auto")
