@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,8 +42,10 @@ from zerotrain.engine.lr_find import LRRangeRecorder
 from zerotrain.engine.model_export import consolidated_state_dict, save_16bit_model
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.engine.ranks import RankQueries
+from zerotrain.engine.state_offload import BACKWARD, CHECKPOINT, FORWARD, STEP, EngineStates
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.estimate import MemoryEstimate
+from zerotrain.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
 from zerotrain.optim.clip import clip_coefficient
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.sequence import shard_batch
@@ -183,6 +185,9 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self.telemetry = Telemetry(
             telemetry or TelemetryPolicy(), env.device, comm.rank, memory_estimate
         )
+        # What offload_states() moved out of device memory, until reload_states().
+        offloading = strategy.offload is not None and strategy.offload.policy.enabled
+        self._states = EngineStates(strategy, self.optimizer, module, offloading)
 
     # -- forward / backward / step --------------------------------------------------------------
 
@@ -190,6 +195,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         """Run the model's forward (same signature as the model). Under mixed precision,
         floating-point tensors among the inputs are cast to the compute dtype first (unless
         ``bf16.auto_cast`` / ``fp16.auto_cast`` is false)."""
+        self._states.require(FORWARD, "engine(...)")
         dtype = self.precision.compute
         if dtype is not None and self.precision.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), dtype)
@@ -303,6 +309,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("backward() needs the scalar loss tensor of this micro-batch")
+        self._states.require(BACKWARD, "engine.backward()")
         self._recover_torch_style_backward()
         if not loss.requires_grad:
             raise RuntimeError(
@@ -388,6 +395,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 "micro-step's last backward() first, which reduces the gradients"
             )
         self._recover_torch_style_backward()
+        self._states.require(STEP, "engine.step()")
         if not self._backward_pending_step:
             raise RuntimeError(
                 "step() called without a backward pass for this micro-step: call "
@@ -598,6 +606,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 self.micro_steps % self.policy.batch.gradient_accumulation_steps,
                 self.policy.batch.gradient_accumulation_steps,
             )
+        self._states.require(CHECKPOINT, "save_checkpoint()")
         return save_checkpoint(self.checkpoint_state(), save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(
@@ -630,6 +639,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         ``CorruptCheckpointError`` (a file fails its size or checksum check, naming it) or
         ``IncompatibleCheckpointError`` (a different model or optimizer).
         """
+        self._states.require(CHECKPOINT, "load_checkpoint()")
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...) is not supported: DeepSpeed passes it "
@@ -677,6 +687,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         kept tied. Collective: call on every rank. At stage 3 only with
         ``stage3_gather_16bit_weights_on_model_save`` (else returns False and writes
         nothing, as DeepSpeed). Returns True when written."""
+        self._states.require(FORWARD, "save_16bit_model()")
         gather = self.policy.gather_16bit_on_save
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters, gather)
 
@@ -685,6 +696,33 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
     ) -> bool:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
+
+    # -- moving states out of device memory (DeepSpeed's offload_states) -----------------------
+
+    def offload_states(
+        self,
+        include: Iterable[OffloadStateTypeEnum | str] | None = None,
+        device: OffloadDeviceEnum | str | torch.device = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move training states out of device memory until :meth:`reload_states`
+        (DeepSpeed's method): ``include`` names them (``OffloadStateTypeEnum``:
+        ``optim_states``, ``hp_params``, ``lp_params``, ``lp_grads``,
+        ``contiguous_grad_buffer``; default all). Only ``device="cpu"`` moves anything;
+        ``pin_memory`` page-locks the host copies (on an accelerator). Between an offload
+        and the reload, the engine's forward/backward/step, the model's forward and the
+        optimizer's step raise if they need a state that is away; the parameters read
+        their host copy, ``.grad`` reads None. Not with ``offload_optimizer`` /
+        ``offload_param`` (their states live in host memory already). On a CPU-only job
+        the states are host memory already: the call still moves them (nothing is saved).
+        See ``engine/state_offload.py``."""
+        self._states.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back everything :meth:`offload_states` moved (DeepSpeed's method);
+        training continues exactly as if nothing had moved."""
+        self._states.reload(non_blocking)
 
     def destroy(self, restore_params: bool = True) -> None:
         """Detach the engine from the model: hooks removed, parameters in their own storage
@@ -699,6 +737,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         because it does not fit in memory whole, where restoring it on every rank would
         not fit either: save a checkpoint first to keep the weights."""
         self.telemetry.close()
+        self._states.reload(non_blocking=False)
         self.strategy.remove(restore_params)
         if self.checkpointed_blocks:
             checkpointing.remove(self.module)

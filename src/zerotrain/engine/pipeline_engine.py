@@ -33,6 +33,7 @@ import torch
 
 from zerotrain.config.policies import PipelinePolicy
 from zerotrain.engine.engine import Engine
+from zerotrain.engine.state_offload import FORWARD, STEP
 from zerotrain.parallel.pipeline import messages
 from zerotrain.parallel.pipeline.builders import build_schedule
 from zerotrain.parallel.pipeline.executor import PipelineExecutor
@@ -221,6 +222,7 @@ class PipelineEngine(Engine):
                 initialize (repeated), or ``set_dataiterator``.
         """
         self._refuse_after_failure()
+        self._states.require(STEP, "train_batch()")
         self.module.train()
         count = self.policy.batch.gradient_accumulation_steps
         inputs, labels, signatures = self._micro_batches(data_iter, count)
@@ -276,6 +278,7 @@ class PipelineEngine(Engine):
             return_logits, compute_loss, reduce_output, bcast_loss: only DeepSpeed's
                 defaults are supported (False, True, "avg", True); others raise.
         """
+        self._states.require(FORWARD, "eval_batch()")
         given = {
             "return_logits": (return_logits, False),
             "compute_loss": (compute_loss, True),

@@ -92,6 +92,11 @@ class FullGradients:
     def place(self, placement: StatePlacement) -> None:
         """Nothing to place: whole gradients stay in memory."""
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding gradient values now (the buffer, and ``param.grad`` tensors
+        of their own when the buffer's dtype differs), for ``engine.offload_states``."""
+        return [self.flat, *(p.grad for p in self.buffer.params if p.grad is not None)]
+
     @property
     def nbytes(self) -> int:
         """Bytes of gradient storage."""
@@ -212,6 +217,13 @@ class ShardedGradients:
         """Give the slice the storage ``placement`` decides (once, as the unit is built)."""
         self.slot = placement.grad_slice(self.shard)
         invariant(self.slot.tensor is self.shard, "the slot must hold this slice")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding gradient values now (the slice, a staging buffer held in
+        the middle of a window, fresh ``param.grad``), for ``engine.offload_states``."""
+        staging = [] if self._staging is None else [self._staging[0]]
+        grads = [p.grad for p in self.buffer.params if p.grad is not None]
+        return [self.shard, *staging, *grads]
 
     @property
     def nbytes(self) -> int:

@@ -55,3 +55,9 @@ class StagingPool:
     def release(self, buffer: torch.Tensor) -> None:
         """Return a buffer acquired from this pool."""
         self._free.append(buffer)
+
+    def drop_idle(self) -> None:
+        """Free the buffers no unit holds (``engine.offload_states``); they are allocated
+        again on first use."""
+        self._allocated -= len(self._free)
+        self._free.clear()

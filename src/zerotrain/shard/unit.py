@@ -313,6 +313,43 @@ class ShardedUnit:
         (for checkpoints and ``release``); ``write_back``: store them afterwards."""
         return held_in_memory(self._state_slots(), write_back)
 
+    def offloadable_states(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors holding this unit's states now, under DeepSpeed's
+        ``offload_states`` names: ``lp_params`` (the parameter buffer, or at stage 3 this
+        rank's slice and the gathered buffer), ``hp_params`` (the fp32 master) and
+        ``lp_grads`` (everything holding gradient values). Views of them (parameters,
+        ``.grad``, the optimizer's pieces) share their storage."""
+        if isinstance(self.buffer, PartitionedParams):
+            lp = [self.buffer.shard, self.buffer.full]
+        else:
+            lp = [self.buffer.data]
+        grads = self.grads.tensors()
+        grads += [t for t in (self._step_grad, self._carried) if t is not None]
+        return {
+            "lp_params": lp,
+            "hp_params": [] if self.master is None else [self.master],
+            "lp_grads": grads,
+        }
+
+    def point_params(self, host: Callable[[torch.Tensor], torch.Tensor | None] | None) -> None:
+        """While ``engine.offload_states`` holds the parameter values in host memory, make
+        the parameters views of that copy (``host`` maps the unit's buffer to it), so that
+        they read correctly there, as DeepSpeed's offloaded parameters do; ``None``: back
+        to the unit's own buffer. Stage-3 parameters not gathered stay empty."""
+        buffer = self.buffer
+        if isinstance(buffer, PartitionedParams):
+            if not buffer.gathered:
+                return
+            root = buffer.full
+        else:
+            root = buffer.data
+        flat = root if host is None else host(root)
+        if flat is None:
+            return
+        with torch.no_grad():
+            for i, param in enumerate(buffer.params):
+                param.data = buffer.view(flat, i)
+
     def bind_optimizer_grads(self) -> None:
         """Point each piece's ``.grad`` at its part of :attr:`grad_shard` (an optimizer's
         ``zero_grad()`` drops these references; without them the piece would be skipped).

@@ -713,6 +713,39 @@ class ZeroStrategy:
         for unit in self.units:
             unit.start_next_window()
 
+    # -- moving states out of device memory (engine.offload_states) ----------------------------
+
+    def offloadable_states(self) -> dict[str, list[torch.Tensor]]:
+        """Every unit's state tensors under DeepSpeed's ``offload_states`` names (see
+        ``ShardedUnit.offloadable_states``)."""
+        states: dict[str, list[torch.Tensor]] = {}
+        for unit in self.units:
+            for name, tensors in unit.offloadable_states().items():
+                states.setdefault(name, []).extend(tensors)
+        return states
+
+    def point_params(self, host: Callable[[torch.Tensor], torch.Tensor | None] | None) -> None:
+        """Parameters read from their host copy while offloaded, or (None) from the units
+        again (``ShardedUnit.point_params``)."""
+        for unit in self.units:
+            unit.point_params(host)
+
+    def take_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Empty every unit parameter's ``.grad``, returning what each held (while the
+        gradient storage is offloaded, ``.grad`` reads None instead of freed memory)."""
+        taken = []
+        for param in self._unit_params():
+            if param.grad is not None:
+                taken.append((param, param.grad))
+                param.grad = None
+        return taken
+
+    def drop_idle_staging(self) -> None:
+        """Free the staging buffers no unit holds (DeepSpeed's ``contiguous_grad_buffer``);
+        they are allocated again when a backward pass needs them."""
+        for pool in self.pools:
+            pool.drop_idle()
+
     # -- what the optimizer steps ---------------------------------------------------------------
 
     @property
