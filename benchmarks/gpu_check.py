@@ -18,6 +18,9 @@ Run on a machine with one CUDA GPU (world size 1; every case sets its own rendez
   step time and the GPU's dense bf16 peak).
 * ``offload``: a ~1.3B model at stage 2 with ``offload_optimizer: cpu``.
 
+``case states <stage> --size 350m``: ``engine.offload_states()`` / ``reload_states()``
+on that model (memory, time of each call, losses after the round trip).
+
 Diagnostics: ``--cases`` picks the throughput cases (an engine case with ``_noadopt`` or
 ``_nocheck`` in its name leaves out a part of the step, see ``_ablate``), ``--profile``
 writes profiler tables of the named cases. ``--size tiny`` shrinks every model so the script
@@ -315,6 +318,58 @@ def case_throughput(name: str, size: str, profile_dir: Path | None = None) -> di
     }
 
 
+# ---------------------------------------------------------------- offload_states
+
+
+def case_offload_states(stage: int, size: str) -> dict[str, Any]:
+    """``engine.offload_states()`` / ``reload_states()`` on the GPU-sized GPT (bf16): device
+    memory before, while offloaded and after; the time of each call (pinned, blocking); and
+    the losses of the steps after the round trip against the same run without it."""
+    import zerotrain
+
+    spec = SIZES[size]
+    cfg, batch = spec["cfg"], spec["batch"]
+    data = batches(cfg, batch, 4, seed=3)
+
+    def run(offload: bool) -> dict[str, Any]:
+        torch.manual_seed(0)
+        config = engine_config(stage, batch, 1e-4, 0.01, 1.0)
+        config["bf16"] = {"enabled": True}
+        engine, *_ = zerotrain.initialize(model=GPT(cfg), config=config)
+        sync()
+        losses, seen = [], {"built_gib": torch.cuda.memory_allocated() / 2**30}
+        for i, (x, y) in enumerate(data):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+            if offload and i in (1, 2):  # twice: the second offload reuses nothing
+                sync()
+                seen.setdefault("before_gib", []).append(torch.cuda.memory_allocated() / 2**30)
+                start = time.perf_counter()
+                engine.offload_states(pin_memory=True)
+                sync()
+                seen.setdefault("offload_s", []).append(time.perf_counter() - start)
+                seen.setdefault("during_gib", []).append(torch.cuda.memory_allocated() / 2**30)
+                start = time.perf_counter()
+                engine.reload_states()
+                sync()
+                seen.setdefault("reload_s", []).append(time.perf_counter() - start)
+                seen.setdefault("after_gib", []).append(torch.cuda.memory_allocated() / 2**30)
+        engine.destroy()
+        return {"losses": losses, **seen}
+
+    moved = run(True)  # first: nothing of another run is left in memory
+    plain = run(False)
+    return {
+        "case": f"offload_states_s{stage}",
+        **{k: v for k, v in moved.items() if k != "losses"},
+        "losses": moved["losses"],
+        "losses_without": plain["losses"],
+        "identical": moved["losses"] == plain["losses"],
+    }
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -387,7 +442,7 @@ def main() -> None:
     )
     every.add_argument("--profile", default="", help="comma-separated cases to profile too")
     one = sub.add_parser("case")
-    one.add_argument("kind", choices=["parity", "throughput"])
+    one.add_argument("kind", choices=["parity", "throughput", "states"])
     one.add_argument("name")
     one.add_argument("--size", default="350m")
     one.add_argument("--profile-dir", type=Path)
@@ -397,6 +452,8 @@ def main() -> None:
         world_of_one()
         if args.kind == "parity":
             result = case_parity(int(args.name))
+        elif args.kind == "states":
+            result = case_offload_states(int(args.name), args.size)
         else:
             result = case_throughput(args.name, args.size, args.profile_dir)
         print("RESULT " + json.dumps(result), flush=True)

@@ -253,9 +253,15 @@ def _on_cuda(stage: int) -> dict:
     for _ in range(GAS):
         engine.backward(engine(x.cuda(), y.cuda()))
         engine.step()
+    snapshot = _snapshot(engine)
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for ts in _states(engine).values()
+        for t in ts
+        if t.is_cuda
+    }
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    snapshot = _snapshot(engine)
     engine.offload_states(pin_memory=True, non_blocking=True)
     torch.cuda.synchronize()
     during = torch.cuda.memory_allocated()
@@ -271,7 +277,15 @@ def _on_cuda(stage: int) -> dict:
     engine.backward(engine(x.cuda(), y.cuda()))
     engine.step()
     engine.destroy()
-    return {"before": before, "during": during, "after": after, "same": same, "host": on_host}
+    states = sum(n for ptr, n in storages.items() if ptr)
+    return {
+        "states": states,
+        "before": before,
+        "during": during,
+        "after": after,
+        "same": same,
+        "host": on_host,
+    }
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -279,7 +293,10 @@ def _on_cuda(stage: int) -> dict:
 def test_offload_states_frees_device_memory_on_a_gpu(stage, caplog):
     caplog.set_level(logging.INFO)
     seen = run_distributed(_on_cuda, 1, stage, env={"ZEROTRAIN_DEVICE": "cuda"})[0]
-    assert seen["during"] < seen["before"] / 2, seen
-    assert seen["after"] >= seen["before"] * 0.9, seen
+    # Every state's device bytes are freed (the staging buffers too, beyond these) and
+    # come back; the CUDA context and the communicator's buffers stay.
+    assert seen["states"] > 0, seen
+    assert seen["before"] - seen["during"] >= seen["states"], seen
+    assert seen["after"] - seen["during"] >= seen["states"], seen
     assert seen["same"], seen
     assert seen["host"], seen
