@@ -155,6 +155,13 @@ class ZeroTrainTrainer(Trainer):
 
     # -- the engine in the Trainer's loop --------------------------------------------------
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        # A model loaded inside zero.Init has no values yet (its parameters are on the meta
+        # device, recorded): initialize computes and places them, partitioned.
+        if any(p.is_meta for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
+
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         if not training:
             return self.engine if self.engine is not None else model

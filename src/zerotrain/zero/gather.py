@@ -73,6 +73,16 @@ class ForwardPass:
     reached: bool = False  # a signal arrived: the backward that retires it has begun
 
 
+# transformers reads the first attribute (``is_fsdp_managed_module``) to keep every rank's
+# forward passes in step where their number could differ: ``generate()`` then defaults to
+# ``synced_gpus=True`` with several ranks, and layer-drop models run every layer. A stage-3
+# forward gathers with collectives, so it needs exactly that (DeepSpeed's signal,
+# ``is_deepspeed_zero3_enabled()``, exists only with DeepSpeed installed). torch.compile
+# reads both: it then treats the module as one whose parameters change between calls,
+# which they do here. Set on every module of the model, removed with the hooks.
+SHARDED_MARKS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
 class ParamGatherer:
     """Drives gathering and freeing of stage-3 units from module hooks.
 
@@ -138,6 +148,10 @@ class ParamGatherer:
         self._hooks.append(root.register_forward_pre_hook(root_pre, with_kwargs=True))
         root_post = functools.partial(self._root_post, root_unit)
         self._hooks.append(root.register_forward_hook(root_post, always_call=True))
+        self._marked = [m for m in root.modules() if not hasattr(m, SHARDED_MARKS[0])]
+        for module in self._marked:
+            for mark in SHARDED_MARKS:
+                setattr(module, mark, True)
         first_id = 0
         for u, storage in enumerate(self._storage):
             register(list(storage.params), Home(comm, self, u))  # for GatheredParameters
@@ -413,5 +427,9 @@ class ParamGatherer:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for module in self._marked:
+            for mark in SHARDED_MARKS:
+                module.__dict__.pop(mark, None)
+        self._marked = []
         for storage in self._storage:
             unregister(list(storage.params))
