@@ -13,7 +13,7 @@ DeepSpeed's script-level names: ``add_config_arguments``, ``init_distributed``,
 Activation checkpointing: ``zerotrain.checkpointing.checkpoint`` / ``.apply``.
 """
 
-from zerotrain import accelerator, checkpointing, ops, runtime, utils, zero
+from zerotrain import accelerator, checkpointing, elasticity, ops, runtime, utils, zero
 from zerotrain.config.arguments import add_config_arguments
 from zerotrain.config.errors import ConfigError
 from zerotrain.config.loader import load_config
@@ -30,6 +30,7 @@ __all__ = [
     "accelerator",
     "add_config_arguments",
     "checkpointing",
+    "elasticity",
     "init_distributed",
     "initialize",
     "load_config",

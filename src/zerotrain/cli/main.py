@@ -1,6 +1,7 @@
 """The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT,
 ``consolidate`` turns a sharded checkpoint into one safetensors file, ``estimate`` predicts
-per-rank memory of a ZeRO configuration, ``lr-find`` runs an LR range test on a script."""
+per-rank memory of a ZeRO configuration, ``lr-find`` runs an LR range test on a script,
+``elastic-plan`` prints the batch plan of an ``elasticity`` config."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 from zerotrain.cli import consolidate as consolidate_cmd
 from zerotrain.cli import demo as demo_cmd
+from zerotrain.cli import elastic_plan as elastic_plan_cmd
 from zerotrain.cli import estimate as estimate_cmd
 from zerotrain.cli import lr_find as lr_find_cmd
 from zerotrain.cli import run as run_cmd
@@ -41,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="LR range test: train a script with a rising lr, plot it, suggest a range",
         )
     )
+    elastic_plan_cmd.add_elastic_plan_arguments(
+        sub.add_parser(
+            "elastic-plan",
+            help="the global batch of an elasticity config and how each world size splits it",
+        )
+    )
     return parser
 
 
@@ -55,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return estimate_cmd.run_estimate(args)
     if args.command == "lr-find":
         return lr_find_cmd.run_lr_find(args)
+    if args.command == "elastic-plan":
+        return elastic_plan_cmd.run_elastic_plan(args)
     return demo_cmd.demo(args)
 
 

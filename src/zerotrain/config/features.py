@@ -21,7 +21,6 @@ IMPLEMENTED_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 # Loose sections and the rule that says they are switched on.
 _LOOSE_ENABLED_BY_FLAG = (
     "amp",
-    "elasticity",
     "autotuning",
     "eigenvalue",
     "quantize_training",
@@ -153,6 +152,8 @@ NO_EFFECT_WHEN_SET: MappingProxyType[str, str] = MappingProxyType(
         "batches of your own data loader; there is no curriculum sampler",
         "data_efficiency.data_sampling.pin_memory": "the seqlen curriculum truncates the "
         "batches of your own data loader; there is no curriculum sampler",
+        "elasticity.min_time": "it is for the scheduler that resizes the job; the engine "
+        "does not read it (nor does DeepSpeed's)",
         "tensor_parallel.dtype": "split layers keep the dtype the precision sections give "
         "the model",
         "tensor_parallel.tp": "inference tensor-parallel options; training splits by autotp_size",

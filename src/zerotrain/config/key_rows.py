@@ -421,7 +421,23 @@ ROWS: tuple[KeyRow, ...] = (
     _ours(f"{_LTD}.block_types", "more block classes to wrap"),
     # DeepSpeed features zerotrain does not implement: sections kept loosely.
     _refused("amp", "NVIDIA Apex AMP; " + _LOOSE),
-    _refused("elasticity", _LOOSE),
+    # Elasticity (DeepSpeed 0.19.5's; 0.19.8 removed it): the batch sizes for any world size.
+    _impl("elasticity", "the batch keys come from the elastic plan (zerotrain elastic-plan)"),
+    _impl("elasticity.enabled"),
+    _impl("elasticity.max_train_batch_size", "required when enabled"),
+    _impl("elasticity.micro_batch_sizes", "required when enabled"),
+    _impl("elasticity.min_gpus", "data-parallel world sizes, as DeepSpeed counts them"),
+    _impl("elasticity.max_gpus"),
+    _impl("elasticity.num_gpus_per_node", "version 0.2 plans per node"),
+    _impl("elasticity.model_parallel_size", "version 0.2 only, as in DeepSpeed"),
+    _none("elasticity.min_time"),
+    _impl("elasticity.prefer_larger_batch"),
+    _impl(
+        "elasticity.ignore_non_elastic_batch_info",
+        "false: batch keys beside the section are an error; true: overridden, with a warning "
+        "(DeepSpeed overrides them silently)",
+    ),
+    _impl("elasticity.version", "0.1 or 0.2 (the default)"),
     _refused("autotuning", _LOOSE),
     _refused("compression_training", "refused when present; " + _LOOSE),
     _refused("eigenvalue", "DeepSpeed 0.19.5 reads it inside quantize_training; " + _LOOSE),

@@ -16,6 +16,7 @@ import torch
 
 from zerotrain.config import optim_params
 from zerotrain.config.batch import BatchSizes, resolve_batch_sizes
+from zerotrain.config.elasticity import elastic_batch_sizes
 from zerotrain.config.errors import ConfigError, ConfigProblem
 from zerotrain.config.schema import ZeroTrainConfig
 
@@ -287,12 +288,20 @@ def to_policies(cfg: ZeroTrainConfig, dp_world_size: int) -> Policies:
     Raises:
         ConfigError: when the batch sizes are inconsistent with the world size.
     """
-    batch = resolve_batch_sizes(
-        cfg.train_batch_size,
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-        dp_world_size,
-    )
+    if cfg.elasticity is not None and cfg.elasticity.enabled:
+        given = {
+            "train_batch_size": cfg.train_batch_size,
+            "train_micro_batch_size_per_gpu": cfg.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        }
+        batch = elastic_batch_sizes(cfg.elasticity, given, dp_world_size)
+    else:
+        batch = resolve_batch_sizes(
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+            dp_world_size,
+        )
     zero = cfg.zero_optimization
     precision = resolve_precision(cfg)
     if cfg.prescale_gradients:

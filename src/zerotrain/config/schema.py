@@ -17,6 +17,7 @@ from zerotrain.config.efficiency import (
     DataEfficiencyConfig,
     ProgressiveLayerDropConfig,
 )
+from zerotrain.config.elasticity import ElasticityConfig
 from zerotrain.config.types import (
     Bool,
     Float,
@@ -551,7 +552,7 @@ class ZeroTrainConfig(Section):
     curriculum_learning: CurriculumLearningConfig | None = None
     data_efficiency: DataEfficiencyConfig | None = None
     progressive_layer_drop: ProgressiveLayerDropConfig | None = None
-    elasticity: LooseSection | None = None
+    elasticity: ElasticityConfig | None = None
     autotuning: LooseSection | None = None
     compression_training: LooseSection | None = None
     eigenvalue: LooseSection | None = None
