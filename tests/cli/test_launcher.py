@@ -93,3 +93,20 @@ def test_bad_hostfile_is_reported_without_launching(tmp_path: Path):
     proc = _zerotrain("run", "--hostfile", str(hostfile), "x.py", timeout=60)
     assert proc.returncode == 2
     assert "expected 'hostname slots=N'" in proc.stderr
+
+
+def test_print_commands_gives_slurm_and_per_node_commands(tmp_path: Path):
+    (tmp_path / "hostfile").write_text("worker-0 slots=4\nworker-1 slots=4\nworker-2 slots=4\n")
+    done = _zerotrain(
+        "run", "--hostfile", str(tmp_path / "hostfile"), "--exclude", "worker-1",
+        "--num_gpus", "2", "--master_port", "29600", "--print-commands",
+        "train.py", "--deepspeed_config", "ds.json", timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "srun --nodes=2 --ntasks-per-node=1 --nodelist=worker-0,worker-2" in out
+    assert "--nproc-per-node=2 --nnodes=2" in out
+    assert "# node 1: worker-2" in out
+    assert "ssh -o BatchMode=yes worker-2" in out
+    assert "--node-rank=1 --master-addr=worker-0 --master-port=29600" in out
+    assert "train.py --deepspeed_config ds.json" in out

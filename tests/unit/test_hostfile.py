@@ -7,7 +7,13 @@ import os
 
 import pytest
 
-from zerotrain.cli.hostfile import Host, HostfileError, parse_hostfile, this_node_rank
+from zerotrain.cli.hostfile import (
+    Host,
+    HostfileError,
+    parse_hostfile,
+    select_hosts,
+    this_node_rank,
+)
 from zerotrain.cli.run import add_run_arguments, plan_launch
 
 
@@ -101,3 +107,37 @@ def test_hostfile_with_uneven_slots_is_refused(tmp_path):
     args = _args("--hostfile", str(hostfile), "--node-rank", "0", "t.py")
     with pytest.raises(HostfileError, match="slots differ"):
         plan_launch(args, environ={}, cuda_available=False)
+
+
+HOSTS = [Host("w0", 4), Host("w1", 4), Host("w2", 4)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, HOSTS),
+        ({"include": "w1@w2:0,2"}, [Host("w1", 4), Host("w2", 2)]),
+        ({"exclude": "w1"}, [Host("w0", 4), Host("w2", 4)]),
+        ({"exclude": "w0:0,1@w2:3"}, [Host("w0", 2), Host("w1", 4), Host("w2", 3)]),
+        ({"num_nodes": 2}, [Host("w0", 4), Host("w1", 4)]),
+        ({"num_gpus": 2, "exclude": "w0"}, [Host("w1", 2), Host("w2", 2)]),
+    ],
+)
+def test_deepspeed_launcher_filters_select_hosts_and_slots(kwargs, expected):
+    assert select_hosts(HOSTS, **kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"include": "w0", "exclude": "w1"}, "cannot be used together"),
+        ({"include": "w9"}, "host 'w9' is not in the hostfile"),
+        ({"include": "w0:7"}, r"'w0' has slots 0-3, not \[7\]"),
+        ({"include": "w0:a"}, "must be integers"),
+        ({"exclude": "w0@w1@w2"}, "no host is left"),
+        ({"num_nodes": 0}, "--num_nodes must be >= 1"),
+    ],
+)
+def test_bad_launcher_filters_say_what_is_wrong(kwargs, message):
+    with pytest.raises(HostfileError, match=message):
+        select_hosts(HOSTS, **kwargs)

@@ -82,3 +82,77 @@ def this_node_rank(hosts: list[Host], names: set[str] | None = None) -> int:
         f"this machine ({socket.gethostname()}) is not in the hostfile "
         f"({', '.join(h.name for h in hosts)}); pass --node-rank"
     )
+
+
+def _parse_filter(text: str, flag: str) -> dict[str, list[int] | None]:
+    """DeepSpeed's ``--include``/``--exclude`` syntax: hosts joined by ``@``, each with an
+    optional ``:slot,slot`` list (None: the whole host)."""
+    chosen: dict[str, list[int] | None] = {}
+    for part in text.split("@"):
+        name, _, slots = part.strip().partition(":")
+        if not name:
+            raise HostfileError(f"{flag} {text!r}: an empty host name")
+        try:
+            chosen[name] = [int(s) for s in slots.split(",")] if slots else None
+        except ValueError:
+            raise HostfileError(
+                f"{flag} {text!r}: slots of {name!r} must be integers, as in 'worker-1:0,2'"
+            ) from None
+    return chosen
+
+
+def _keep(slots: list[int], wanted: list[int] | None) -> list[int]:
+    return slots if wanted is None else [i for i in slots if i in wanted]
+
+
+def _drop(slots: list[int], wanted: list[int] | None) -> list[int]:
+    return [] if wanted is None else [i for i in slots if i not in wanted]
+
+
+def select_hosts(
+    hosts: list[Host],
+    include: str | None = None,
+    exclude: str | None = None,
+    num_nodes: int | None = None,
+    num_gpus: int | None = None,
+) -> list[Host]:
+    """The hosts (and processes per host) a job runs on, by DeepSpeed's launcher flags:
+    ``include`` keeps only the named hosts (or slots of them), ``exclude`` drops them,
+    then ``num_nodes`` keeps the first N hosts and ``num_gpus`` the first G slots of each.
+
+    Raises:
+        HostfileError: both filters, an unknown host or slot, or nothing left.
+    """
+    if include and exclude:
+        raise HostfileError("--include and --exclude cannot be used together")
+    slots = {h.name: list(range(h.slots)) for h in hosts}
+    for flag, text in (("--include", include), ("--exclude", exclude)):
+        if not text:
+            continue
+        chosen = _parse_filter(text, flag)
+        for name, wanted in chosen.items():
+            if name not in slots:
+                raise HostfileError(
+                    f"{flag}: host {name!r} is not in the hostfile ({', '.join(slots)})"
+                )
+            bad = [s for s in wanted or [] if s not in slots[name]]
+            if bad:
+                raise HostfileError(
+                    f"{flag}: {name!r} has slots 0-{len(slots[name]) - 1}, not {bad}"
+                )
+        if flag == "--include":
+            slots = {n: _keep(s, chosen[n]) for n, s in slots.items() if n in chosen}
+        else:
+            slots = {n: _drop(s, chosen[n]) if n in chosen else s for n, s in slots.items()}
+    selected = [Host(n, len(s)) for n, s in slots.items() if s]
+    if num_nodes is not None:
+        if num_nodes < 1:
+            raise HostfileError(f"--num_nodes must be >= 1, got {num_nodes}")
+        selected = selected[:num_nodes]
+    if num_gpus is not None:
+        if num_gpus < 1:
+            raise HostfileError(f"--num_gpus must be >= 1, got {num_gpus}")
+        selected = [Host(h.name, min(h.slots, num_gpus)) for h in selected]
+    if not selected:
+        raise HostfileError("no host is left after --include/--exclude")
+    return selected

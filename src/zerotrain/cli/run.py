@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-from zerotrain.cli.hostfile import HostfileError, read_hostfile, this_node_rank
+from zerotrain.cli.fanout import fan_out, node_commands, print_commands
+from zerotrain.cli.hostfile import Host, HostfileError, read_hostfile, select_hosts, this_node_rank
 
 DEFAULT_PORT = 29500
 
@@ -35,15 +37,63 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n",
         "--nproc-per-node",
+        "--num_gpus",
+        "--num-gpus",
+        dest="nproc_per_node",
         type=int,
         default=None,
-        help="processes on this node (default: GPUs on this node, else 1)",
+        help="processes per node (default: GPUs on this node, else 1; with a hostfile: its "
+        "slots, of which this many are used)",
     )
-    parser.add_argument("--hostfile", help="DeepSpeed hostfile: one 'hostname slots=N' per line")
+    parser.add_argument(
+        "--hostfile",
+        "-H",
+        help="DeepSpeed hostfile: one 'hostname slots=N' per line; with several hosts the job "
+        "is started on each over ssh (unless --no_ssh)",
+    )
     parser.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX (elastic)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's index")
-    parser.add_argument("--master-addr", default=None, help="address of node 0")
-    parser.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0")
+    parser.add_argument(
+        "--num_nodes", "--num-nodes", type=int, default=None, help="use the first N hosts"
+    )
+    parser.add_argument(
+        "--include", default=None, help="hosts (and slots) to use: 'worker-0@worker-1:0,2'"
+    )
+    parser.add_argument("--exclude", default=None, help="hosts (or slots) to leave out")
+    parser.add_argument(
+        "--node-rank", "--node_rank", type=int, default=None, help="this node's index"
+    )
+    parser.add_argument(
+        "--master-addr", "--master_addr", default=None, help="address of node 0 (rendezvous)"
+    )
+    parser.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="rendezvous port on node 0",
+    )
+    parser.add_argument(
+        "--local-addr",
+        default=None,
+        help="this node's address as the others reach it (default: its host name)",
+    )
+    parser.add_argument(
+        "--no_ssh",
+        "--no-ssh",
+        action="store_true",
+        help="run only this node's part (each node runs the same command; its rank comes "
+        "from the hostfile or --node-rank)",
+    )
+    parser.add_argument(
+        "--ssh-command",
+        default="ssh -o BatchMode=yes",
+        help="how a host is reached (the host name and command are appended)",
+    )
+    parser.add_argument(
+        "--print-commands",
+        action="store_true",
+        help="print the Slurm line and each node's command instead of launching",
+    )
     parser.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend")
     parser.add_argument("--rdzv-endpoint", default=None, help="torchrun rendezvous endpoint")
     parser.add_argument("--rdzv-id", default="zerotrain", help="job id shared by all nodes")
@@ -70,26 +120,30 @@ def _node_layout(
     )
     if not args.hostfile:
         return nproc, nnodes, node_rank, master_addr
-    hosts = read_hostfile(args.hostfile)
-    slots = {h.slots for h in hosts}
-    if len(slots) != 1:
+    hosts = selected_hosts(args)
+    host_slots = hosts[0].slots
+    if len(hosts) == 1:
+        return host_slots, nnodes, node_rank, master_addr
+    if node_rank is None:
+        node_rank = this_node_rank(hosts)
+    return host_slots, nnodes or str(len(hosts)), node_rank, master_addr or hosts[0].name
+
+
+def selected_hosts(args: argparse.Namespace) -> list[Host]:
+    """The hostfile's hosts after ``--include``/``--exclude``/``--num_nodes``/``-n``."""
+    hosts = select_hosts(
+        read_hostfile(args.hostfile),
+        args.include,
+        args.exclude,
+        args.num_nodes,
+        args.nproc_per_node,
+    )
+    if len({h.slots for h in hosts}) != 1:
         raise HostfileError(
             f"{args.hostfile}: torchrun runs the same number of processes on every node, "
             f"but slots differ ({', '.join(f'{h.name}={h.slots}' for h in hosts)})"
         )
-    host_slots = slots.pop()
-    if nproc is not None and nproc > host_slots:
-        raise HostfileError(f"-n {nproc} exceeds the hostfile's {host_slots} slots per host")
-    if len(hosts) == 1:
-        return (host_slots if nproc is None else nproc), nnodes, node_rank, master_addr
-    if node_rank is None:
-        node_rank = this_node_rank(hosts)
-    return (
-        host_slots if nproc is None else nproc,
-        nnodes or str(len(hosts)),
-        node_rank,
-        master_addr or hosts[0].name,
-    )
+    return hosts
 
 
 def local_launch(
@@ -108,6 +162,13 @@ def local_launch(
         rdzv_endpoint=None,
         rdzv_id=rdzv_id,
         max_restarts=0,
+        num_nodes=None,
+        include=None,
+        exclude=None,
+        local_addr=None,
+        no_ssh=True,
+        ssh_command="ssh",
+        print_commands=False,
         module=module,
         script=script,
         script_args=script_args,
@@ -151,6 +212,11 @@ def plan_launch(
         ]
         if node_rank is not None:
             torchrun.append(f"--node-rank={node_rank}")
+            # Node 0 hosts the rendezvous store: say so, rather than let torchrun guess
+            # from host names (which fails where a host has several addresses).
+            torchrun.append(f"--rdzv-conf=is_host={int(node_rank == 0)}")
+        if args.local_addr:
+            torchrun.append(f"--local-addr={args.local_addr}")
     elif args.master_port:
         torchrun += ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
     else:
@@ -176,10 +242,21 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import run as torchrun
 
     try:
+        hosts = selected_hosts(args) if args.hostfile else []
+        if len(hosts) > 1 and (args.print_commands or not args.no_ssh):
+            addr = args.master_addr or hosts[0].name
+            port = args.master_port or DEFAULT_PORT
+            if args.print_commands:
+                print_commands(args, hosts, addr, port)
+                return 0
+            return fan_out(node_commands(args, hosts, addr, port))
         plan = plan_launch(args)
     except (HostfileError, ValueError) as err:
         print(f"zerotrain run: {err}", file=sys.stderr)
         return 2
+    if args.print_commands:
+        print(shlex.join([sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args]))
+        return 0
     os.environ.update(plan.env)
     try:
         torchrun(get_args_parser().parse_args(plan.torchrun_args))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerotrain.comm import liveness
+from zerotrain.comm.interface import choose_gloo_interface
 from zerotrain.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -326,6 +327,8 @@ def init_distributed(
             )
         if present:
             _check_rendezvous()
+            if backend == "gloo" and (chosen := choose_gloo_interface()) is not None:
+                report("gloo binds interface %s (the route to MASTER_ADDR)", chosen)
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
             dist.init_process_group(

@@ -302,3 +302,58 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def ssh_unavailable() -> str | None:
+    """Why :func:`ssh_servers` cannot run here (None: it can)."""
+    for tool in ("/usr/sbin/sshd", shutil.which("ssh"), shutil.which("ssh-keygen")):
+        if tool is None or not Path(tool).exists():
+            return "OpenSSH (server and client) is not installed (apt-get install openssh-server)"
+    return unavailable()
+
+
+@contextlib.contextmanager
+def ssh_servers(hosts_: Sequence[Host], folder: Path) -> Iterator[str]:
+    """An sshd on every host, accepting a key made for the occasion; yields the ``ssh``
+    command (with that key and no host-key prompts) that reaches them. The servers are
+    stopped on exit."""
+    key = folder / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    host_key = folder / "host_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_key)], check=True)
+    (folder / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    servers = []
+    try:
+        for host in hosts_:
+            config = folder / f"sshd_{host.namespace}.conf"
+            config.write_text(
+                f"ListenAddress {host.address}\nPort 22\nHostKey {host_key}\n"
+                f"AuthorizedKeysFile {folder}/authorized_keys\nPidFile none\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+                "UsePAM no\nStrictModes no\nAcceptEnv none\n"
+            )
+            servers.append(
+                host.popen(
+                    ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for host in hosts_:  # wait until each listens
+            deadline = time.monotonic() + 10
+            while subprocess.run(
+                host.command(["bash", "-c", f"exec 3<>/dev/tcp/{host.address}/22"]),
+                capture_output=True,
+            ).returncode:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"sshd on {host.namespace} did not start")
+                time.sleep(0.1)
+        yield (
+            f"ssh -i {key} -o BatchMode=yes -o StrictHostKeyChecking=no "
+            "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+        )
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
