@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -84,6 +85,8 @@ def node_commands(
             f"--rdzv-id={args.rdzv_id}",
             f"--max-restarts={args.max_restarts}",
         ]  # fmt: skip
+        if args.rdzv_conf:
+            argv.append(f"--rdzv-conf={args.rdzv_conf}")
         if args.module:
             argv.append("-m")
         argv += [args.script, *args.script_args]
@@ -143,9 +146,16 @@ def _pump(host: str, stream: object, tail: deque[str], lock: threading.Lock) -> 
             print(f"{host}: {line}", flush=True)
 
 
-def fan_out(nodes: list[NodeCommand]) -> int:
+def fan_out(nodes: list[NodeCommand], elastic: bool = False, grace: float = 30.0) -> int:
     """Start every node's command, stream their output, wait for all. Returns 0, or 1 with
-    a summary naming each failing node and its last lines."""
+    a summary naming each failing node and its last lines.
+
+    The job is over when a node fails (``elastic``: when node 0, which hosts the rendezvous
+    and so runs to the job's end, exits): the other nodes then get ``grace`` seconds to
+    end on their own, as their ranks notice, before their sessions are stopped (a node cut
+    off from the network would otherwise keep its ssh session open for minutes).
+    ``elastic`` (``--nnodes MIN:MAX``): the job outlives the loss of nodes; it succeeded
+    when node 0 did, and other nodes that failed are listed as lost."""
     lock = threading.Lock()
     running = []
     for node in nodes:
@@ -160,13 +170,29 @@ def fan_out(nodes: list[NodeCommand]) -> int:
         pump = threading.Thread(target=_pump, args=(node.host, proc.stdout, tail, lock))
         pump.start()
         running.append((node, proc, pump, tail))
+    over_at: float | None = None
+    while any(proc.poll() is None for _, proc, _, _ in running):
+        for node, proc, _, _ in running:
+            code = proc.poll()
+            ended = code is not None and (node.node_rank == 0 if elastic else code != 0)
+            if ended and over_at is None:
+                over_at = time.monotonic()
+        if over_at is not None and time.monotonic() - over_at > grace:
+            for _, proc, _, tail in running:
+                if proc.poll() is None:
+                    proc.kill()
+                    tail.append(f"(stopped by the launcher {grace:.0f} s after the job ended)")
+        time.sleep(0.2)
     failed = []
     for node, proc, pump, tail in running:
-        code = proc.wait()
         pump.join()
-        if code != 0:
-            failed.append((node, code, list(tail)))
+        if proc.returncode != 0:
+            failed.append((node, proc.returncode, list(tail)))
     if not failed:
+        return 0
+    if elastic and all(node.node_rank != 0 for node, _, _ in failed):
+        lost = ", ".join(f"node {n.node_rank} ({n.host}, exit code {c})" for n, c, _ in failed)
+        print(f"zerotrain run: the job finished without {lost}", file=sys.stderr)
         return 0
     print(
         f"zerotrain run: {len(failed)} of {len(nodes)} node(s) failed:",

@@ -97,6 +97,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend")
     parser.add_argument("--rdzv-endpoint", default=None, help="torchrun rendezvous endpoint")
     parser.add_argument("--rdzv-id", default="zerotrain", help="job id shared by all nodes")
+    parser.add_argument(
+        "--rdzv-conf",
+        default="",
+        help="torchrun's rendezvous settings, e.g. 'last_call_timeout=5,join_timeout=120'",
+    )
     parser.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts")
     parser.add_argument(
         "-m",
@@ -162,6 +167,7 @@ def local_launch(
         rdzv_endpoint=None,
         rdzv_id=rdzv_id,
         max_restarts=0,
+        rdzv_conf="",
         num_nodes=None,
         include=None,
         exclude=None,
@@ -214,7 +220,10 @@ def plan_launch(
             torchrun.append(f"--node-rank={node_rank}")
             # Node 0 hosts the rendezvous store: say so, rather than let torchrun guess
             # from host names (which fails where a host has several addresses).
-            torchrun.append(f"--rdzv-conf=is_host={int(node_rank == 0)}")
+            conf = ",".join(filter(None, [f"is_host={int(node_rank == 0)}", args.rdzv_conf]))
+            torchrun.append(f"--rdzv-conf={conf}")
+        elif args.rdzv_conf:
+            torchrun.append(f"--rdzv-conf={args.rdzv_conf}")
         if args.local_addr:
             torchrun.append(f"--local-addr={args.local_addr}")
     elif args.master_port:
@@ -223,6 +232,11 @@ def plan_launch(
         torchrun.append("--standalone")  # single node: torchrun picks a free port itself
 
     env: dict[str, str] = {}
+    if args.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+        # A restarted worker group must not share the rendezvous store with the group it
+        # replaces: its ranks could read the dead group's addresses from it and fail to
+        # connect (pytorch/pytorch#135712). A fresh store per round avoids that.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if "OMP_NUM_THREADS" not in environ and not cuda:
         # CPU ranks share the cores; oversubscribed OpenMP pools slow everyone down.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
@@ -249,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
             if args.print_commands:
                 print_commands(args, hosts, addr, port)
                 return 0
-            return fan_out(node_commands(args, hosts, addr, port))
+            elastic = args.nnodes is not None and ":" in str(args.nnodes)
+            return fan_out(node_commands(args, hosts, addr, port), elastic=elastic)
         plan = plan_launch(args)
     except (HostfileError, ValueError) as err:
         print(f"zerotrain run: {err}", file=sys.stderr)

@@ -85,7 +85,8 @@ class Host:
 @contextlib.contextmanager
 def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
     """``count`` hosts on one switch (each link throttled to ``rate``, e.g. "100mbit", in
-    both directions); every namespace and link is removed on exit.
+    both directions); on exit every process still in a host is killed and every namespace
+    and link removed.
 
     Raises:
         RuntimeError: namespaces are unavailable (see :func:`unavailable`), or a command
@@ -125,8 +126,12 @@ def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
     except subprocess.CalledProcessError as err:
         raise RuntimeError(f"setting up network namespaces failed: {err.stderr.strip()}") from err
     finally:
-        for name in reversed(made):  # a namespace takes its interfaces with it
-            _ip("netns", "del", name, check=False)
+        for name in reversed(made):
+            # Processes outlive a deleted namespace: end every one still in it first.
+            pids = _ip("netns", "pids", name, check=False).stdout.split()
+            if pids:
+                subprocess.run(["kill", "-9", *pids], capture_output=True, check=False)
+            _ip("netns", "del", name, check=False)  # takes its interfaces with it
 
 
 def _throttle(namespace: str, device: str, rate: str) -> None:
