@@ -141,3 +141,52 @@ def test_losing_a_host_restarts_the_job_on_the_other_from_its_checkpoint(tmp_pat
         assert abs(e["loss"] - reference[e["step"]]) <= 1e-5, (e, reference[e["step"]])
     leftover = subprocess.run(["pgrep", "-f", str(SCRIPT)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout
+
+
+@pytest.mark.slow
+def test_losing_the_rendezvous_host_ends_the_job_on_every_host_with_a_message(tmp_path: Path):
+    # Node 0 hosts the rendezvous store: the job's single point of failure (docs/multinode.md).
+    # The launcher runs on a third host (a login node); when node 0 dies, node 1 cannot
+    # restart without the store, and everything ends with a message, without hanging.
+    out = tmp_path / "elastic"
+    out.mkdir()
+    with netns.hosts(3) as (login, a, b):
+        (tmp_path / "hostfile").write_text(f"{a.address} slots=2\n{b.address} slots=2\n")
+        with netns.ssh_servers([a, b], tmp_path) as ssh:
+            argv = [
+                sys.executable, "-m", "zerotrain.cli.main", "run",
+                "--hostfile", str(tmp_path / "hostfile"), "--ssh-command", ssh,
+                "--nnodes", "1:2", "--max-restarts", "3",
+                "--rdzv-conf", "last_call_timeout=2,join_timeout=30",
+                str(SCRIPT), str(out), str(STEPS), str(EVERY), "1",
+            ]  # fmt: skip
+            launcher = login.popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=tmp_path,
+                env=_env(tmp_path),
+            )
+            try:
+                deadline = time.monotonic() + 180
+                while not any(e.get("step", 0) > 1 for e in _events(out) if "loss" in e):
+                    assert launcher.poll() is None
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                killed_at = time.monotonic()
+                pids = subprocess.run(
+                    ["ip", "netns", "pids", a.namespace], capture_output=True, text=True
+                ).stdout.split()
+                subprocess.run(["kill", "-9", *pids], check=False)
+                output, _ = launcher.communicate(timeout=240)
+                ended_after = time.monotonic() - killed_at
+            finally:
+                if launcher.poll() is None:
+                    launcher.kill()
+    print(f"rendezvous host killed: the launcher exited {ended_after:.1f} s later")
+    assert launcher.returncode == 1, output[-5000:]
+    assert f"node 0 ({a.address})" in output
+    assert f"node 1 ({b.address})" in output  # it failed too: its rendezvous was gone
+    assert "hosts the rendezvous store" in output
+    assert ended_after < 120, output[-5000:]

@@ -198,6 +198,13 @@ def fan_out(nodes: list[NodeCommand], elastic: bool = False, grace: float = 30.0
         f"zerotrain run: {len(failed)} of {len(nodes)} node(s) failed:",
         file=sys.stderr,
     )
+    if any(node.node_rank == 0 for node, _, _ in failed) and len(nodes) > 1:
+        print(
+            f"zerotrain run: node 0 ({nodes[0].host}) hosts the rendezvous store; the other "
+            "nodes cannot continue or restart without it (the job's single point of "
+            "failure, docs/multinode.md)",
+            file=sys.stderr,
+        )
     for node, code, last in failed:
         print(f"--- node {node.node_rank} ({node.host}), exit code {code} ---", file=sys.stderr)
         for line in last:
