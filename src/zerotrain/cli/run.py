@@ -202,6 +202,7 @@ def plan_launch(
     if nproc < 1:
         raise ValueError(f"-n must be >= 1, got {nproc}")
 
+    env: dict[str, str] = {}
     torchrun = [f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
     if nnodes not in (None, "1") or master_addr or args.rdzv_endpoint:
         if not (master_addr or args.rdzv_endpoint):
@@ -216,6 +217,10 @@ def plan_launch(
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={args.rdzv_id}",
         ]
+        if "ZEROTRAIN_PEER_TIMEOUT" not in environ:
+            # A host that vanishes without a TCP reset is noticed after a minute of silence
+            # instead of the collective timeout (comm/liveness.py: PeerWatchdog).
+            env["ZEROTRAIN_PEER_TIMEOUT"] = "60"
         if node_rank is not None:
             torchrun.append(f"--node-rank={node_rank}")
             # Node 0 hosts the rendezvous store: say so, rather than let torchrun guess
@@ -231,7 +236,6 @@ def plan_launch(
     else:
         torchrun.append("--standalone")  # single node: torchrun picks a free port itself
 
-    env: dict[str, str] = {}
     if args.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
         # A restarted worker group must not share the rendezvous store with the group it
         # replaces: its ranks could read the dead group's addresses from it and fail to

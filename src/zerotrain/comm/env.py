@@ -349,6 +349,12 @@ def _start_heartbeats(env: DistEnv) -> None:
     ranks that stopped answering)."""
     if env.world_size > 1:
         liveness.start_store_heartbeats(env.rank, lambda: liveness.store_client(env.timeout))
+        silence = liveness.peer_timeout()
+        if silence is not None:
+            short = datetime.timedelta(seconds=min(silence, 10.0))
+            liveness.PeerWatchdog(
+                env.rank, env.world_size, lambda: liveness.store_client(short), silence
+            )
 
 
 def current_rank_and_world() -> tuple[int, int]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from zerotrain.comm import shm
+from zerotrain.comm import liveness, shm
 
 #: What most likely went wrong when a collective failed without a clearer cause.
 COLLECTIVE_HINT = (
@@ -75,11 +75,12 @@ class Handle:
         if self._finished:
             return
         try:
-            for work in self._works:
-                if self._timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self._timeout)
+            with liveness.waiting():
+                for work in self._works:
+                    if self._timeout is None:
+                        work.wait()
+                    else:
+                        work.wait(self._timeout)
         except Exception as exc:
             message = failure_message(self._describe(), exc, self._hint, self._explain)
             raise CollectiveError(message) from exc

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
@@ -244,6 +244,121 @@ def explain_failure(ranks: Sequence[int], window: float | None = None) -> str:
         f" Rank(s) {silent} stopped answering (no heartbeat for {window:.0f} s): they died, "
         "were stopped (SIGSTOP) or hang with the interpreter locked."
     )
+
+
+# Start times of the collective waits in progress on this process (``waiting()``).
+_WAITING: list[float] = []
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Mark a blocking wait for a collective (what the peer watchdog guards)."""
+    _WAITING.append(time.monotonic())
+    try:
+        yield
+    finally:
+        _WAITING.pop()
+
+
+def peer_timeout() -> float | None:
+    """``ZEROTRAIN_PEER_TIMEOUT``: seconds a peer's heartbeat in the job's store may stand
+    still, while this rank waits for a collective, before this rank gives up on the job
+    (None: unset, no watchdog; ``zerotrain run`` sets 60 for multi-host jobs)."""
+    raw = os.environ.get("ZEROTRAIN_PEER_TIMEOUT")
+    if not raw:
+        return None
+    value = float(raw)
+    if value < 2:
+        raise ValueError(f"ZEROTRAIN_PEER_TIMEOUT must be >= 2 seconds, got {raw!r}")
+    return value
+
+
+def _give_up(message: str) -> None:
+    log.error("%s", message)
+    for handler in log.handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(75)  # an elastic launcher restarts the job; gloo's wait cannot be interrupted
+
+
+class PeerWatchdog:
+    """Ends this rank when it has waited for a collective for ``timeout`` seconds and a
+    peer's heartbeat has stood still as long (its host died or was cut off without a TCP
+    reset), or the job's store has been unreachable as long. Without it such a wait lasts
+    the collective timeout (``ZEROTRAIN_COMM_TIMEOUT``, 10 minutes by default); with it,
+    the collective timeout can stay long for legitimately slow collectives, which keep
+    every peer ticking. Only a blocked wait counts: a peer that finished and exited while
+    this rank works on alone is no reason to stop.
+
+    Args:
+        rank / world_size: this rank and the job's size (global).
+        make_store: a new client of the job's store (its own connection, short timeout).
+        timeout: seconds of silence that end the job.
+        give_up: called with the message (default: log it and exit with code 75).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        make_store: Callable[[], dist.Store | None],
+        timeout: float,
+        give_up: Callable[[str], None] = _give_up,
+    ) -> None:
+        self.others = [r for r in range(world_size) if r != rank]
+        self._make_store = make_store
+        self.timeout = timeout
+        self._give_up = give_up
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zerotrain-watchdog", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """End the thread (idempotent)."""
+        self._stop.set()
+
+    def _counts(self, store: dist.Store) -> list[int]:
+        return [int(store.add(f"{_STORE_PREFIX}{r}", 0)) for r in self.others]
+
+    def _run(self) -> None:
+        store: dist.Store | None = None
+        changed: dict[int, tuple[int, float]] = {}
+        unreachable_since: float | None = None
+        while not self._stop.wait(1.0):
+            now = time.monotonic()
+            try:
+                store = store if store is not None else self._make_store()
+                counts = self._counts(store) if store is not None else None
+            except Exception:
+                store, counts = None, None
+            if counts is None:
+                unreachable_since = unreachable_since if unreachable_since else now
+            else:
+                unreachable_since = None
+                for r, count in zip(self.others, counts, strict=True):
+                    if changed.get(r, (None, 0.0))[0] != count:
+                        changed[r] = (count, now)
+            blocked = bool(_WAITING) and now - _WAITING[0] >= self.timeout
+            if not blocked:
+                continue
+            if unreachable_since is not None and now - unreachable_since >= self.timeout:
+                self._give_up(
+                    f"the job's store ({os.environ.get('MASTER_ADDR')}) has been unreachable "
+                    f"for {now - unreachable_since:.0f} s while this rank waits for a "
+                    "collective: its host is probably gone; this rank exits "
+                    "(ZEROTRAIN_PEER_TIMEOUT)"
+                )
+                return
+            silent = [r for r, (_, at) in changed.items() if now - at >= self.timeout]
+            if silent:
+                self._give_up(
+                    f"rank(s) {silent} sent no heartbeat for {self.timeout:.0f} s while this "
+                    "rank waits for a collective: their host died or was cut off; this rank "
+                    "exits instead of waiting out the collective timeout "
+                    "(ZEROTRAIN_PEER_TIMEOUT)"
+                )
+                return
 
 
 def store_client(timeout: datetime.timedelta) -> dist.Store | None:

@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm import liveness
 from zerotrain.comm.comms_logger import CommsLogger
 from zerotrain.comm.handle import CollectiveError, Handle, describe_tensor, failure_message
 from zerotrain.comm.shm_p2p import PairWork, PeerStalledError, ShmPairs
@@ -354,7 +355,8 @@ class PeerToPeer:
         for i, work in enumerate(works):
             peer = peers[i // 2]
             try:
-                work.wait(self.timeout) if self.timeout is not None else work.wait()
+                with liveness.waiting():
+                    work.wait(self.timeout) if self.timeout is not None else work.wait()
             except Exception as exc:
                 seconds = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
                 raise CollectiveError(

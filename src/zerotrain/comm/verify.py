@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from zerotrain.comm import liveness
 from zerotrain.comm.handle import CollectiveError, failure_message
 from zerotrain.comm.splits import split_mismatches
 
 
 def _wait(work: dist.Work, timeout: datetime.timedelta | None) -> None:
-    work.wait(timeout) if timeout is not None else work.wait()
+    with liveness.waiting():
+        work.wait(timeout) if timeout is not None else work.wait()
 
 
 def verify_signature(
