@@ -81,6 +81,31 @@ def test_hostfile_becomes_multi_node_rendezvous(tmp_path):
         assert item in plan.torchrun_args
 
 
+@pytest.mark.parametrize(
+    ("extra", "is_host"),
+    [
+        (("--node-rank", "0"), "is_host=1"),  # the hostfile's first host: the store's
+        (("--node-rank", "1"), "is_host=0"),
+        (("--node-rank", "0", "--master-addr", "rdzv-box"), "is_host=0"),  # elsewhere
+        (("--node-rank", "1", "--local-addr", "node-b", "--master-addr", "node-b"), "is_host=1"),
+    ],
+)
+def test_the_rendezvous_host_is_named_outright(tmp_path, extra, is_host):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=4\nnode-b slots=4\n")
+    args = _args("--hostfile", str(hostfile), *extra, "t.py")
+    plan = plan_launch(args, environ={}, cuda_available=False)
+    assert f"--rdzv-conf={is_host}" in plan.torchrun_args
+    # Multi-host jobs get the peer watchdog, and restarts a fresh store per round.
+    assert plan.env["ZEROTRAIN_PEER_TIMEOUT"] == "60"
+    restarting = plan_launch(
+        _args("--hostfile", str(hostfile), *extra, "--max-restarts", "2", "t.py"),
+        environ={},
+        cuda_available=False,
+    )
+    assert restarting.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
 def test_single_host_hostfile_stays_standalone(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=3\n")

@@ -223,12 +223,17 @@ def plan_launch(
             env["ZEROTRAIN_PEER_TIMEOUT"] = "60"
         if node_rank is not None:
             torchrun.append(f"--node-rank={node_rank}")
-            # Node 0 hosts the rendezvous store: say so, rather than let torchrun guess
-            # from host names (which fails where a host has several addresses).
-            conf = ",".join(filter(None, [f"is_host={int(node_rank == 0)}", args.rdzv_conf]))
-            torchrun.append(f"--rdzv-conf={conf}")
-        elif args.rdzv_conf:
-            torchrun.append(f"--rdzv-conf={args.rdzv_conf}")
+        # Whether this node hosts the rendezvous store, said outright where this node's
+        # address is known: torchrun guesses it from host names otherwise, which fails
+        # where a host has several addresses (it then finds no store host).
+        here = args.local_addr
+        if here is None and args.hostfile and node_rank is not None:
+            here = selected_hosts(args)[node_rank].name
+        conf = [args.rdzv_conf]
+        if here is not None:
+            conf.insert(0, f"is_host={int(endpoint.rsplit(':', 1)[0] == here)}")
+        if any(conf):
+            torchrun.append(f"--rdzv-conf={','.join(filter(None, conf))}")
         if args.local_addr:
             torchrun.append(f"--local-addr={args.local_addr}")
     elif args.master_port:
