@@ -63,6 +63,29 @@ def _uninterrupted(out: Path) -> list[dict]:
     return _events(out)
 
 
+def _start_elastic_job(
+    place: netns.Host, nodes: list[netns.Host], ssh: str, tmp_path: Path, out: Path, **env: str
+) -> subprocess.Popen:
+    """``zerotrain run`` of the elastic job from ``place`` over the hosts ``nodes`` (2 ranks
+    each, 1 to len(nodes) nodes, 3 restarts)."""
+    (tmp_path / "hostfile").write_text("".join(f"{h.address} slots=2\n" for h in nodes))
+    argv = [
+        sys.executable, "-m", "zerotrain.cli.main", "run",
+        "--hostfile", str(tmp_path / "hostfile"), "--ssh-command", ssh,
+        "--nnodes", f"1:{len(nodes)}", "--max-restarts", "3",
+        "--rdzv-conf", "last_call_timeout=2,join_timeout=60",
+        str(SCRIPT), str(out), str(STEPS), str(EVERY), "1",
+    ]  # fmt: skip
+    return place.popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        env=_env(tmp_path, **env),
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "unplugged"])
 def test_losing_a_host_restarts_the_job_on_the_other_from_its_checkpoint(tmp_path: Path, how):
@@ -70,54 +93,39 @@ def test_losing_a_host_restarts_the_job_on_the_other_from_its_checkpoint(tmp_pat
     out = tmp_path / "elastic"
     out.mkdir()
     lines: list[tuple[float, str]] = []
-    with netns.hosts(2) as (a, b):
-        (tmp_path / "hostfile").write_text(f"{a.address} slots=2\n{b.address} slots=2\n")
-        with netns.ssh_servers([a, b], tmp_path) as ssh:
-            argv = [
-                sys.executable, "-m", "zerotrain.cli.main", "run",
-                "--hostfile", str(tmp_path / "hostfile"), "--ssh-command", ssh,
-                "--nnodes", "1:2", "--max-restarts", "3",
-                "--rdzv-conf", "last_call_timeout=2,join_timeout=60",
-                str(SCRIPT), str(out), str(STEPS), str(EVERY), "1",
-            ]  # fmt: skip
-            # A cut link is found by the peer watchdog (20 s of silence) while the
-            # collective timeout stays at its default 10 minutes.
-            quiet = {"ZEROTRAIN_COMM_TIMEOUT": "600", "ZEROTRAIN_PEER_TIMEOUT": "20"}
-            launcher = a.popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=tmp_path,
-                env=_env(tmp_path, **(quiet if how == "unplugged" else {})),
-            )
+    with netns.hosts(2) as (a, b), netns.ssh_servers([a, b], tmp_path) as ssh:
+        # A cut link is found by the peer watchdog (20 s of silence) while the
+        # collective timeout stays at its default 10 minutes.
+        quiet = {"ZEROTRAIN_COMM_TIMEOUT": "600", "ZEROTRAIN_PEER_TIMEOUT": "20"}
+        env = quiet if how == "unplugged" else {}
+        launcher = _start_elastic_job(a, [a, b], ssh, tmp_path, out, **env)
 
-            def read() -> None:
-                for line in launcher.stdout:  # type: ignore[union-attr]
-                    lines.append((time.time(), line.rstrip()))
+        def read() -> None:
+            for line in launcher.stdout:  # type: ignore[union-attr]
+                lines.append((time.time(), line.rstrip()))
 
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            try:
-                deadline = time.monotonic() + 180
-                while not any(e.get("step", 0) > EVERY for e in _events(out) if "loss" in e):
-                    assert launcher.poll() is None, "\n".join(line for _, line in lines)
-                    assert time.monotonic() < deadline, "\n".join(line for _, line in lines)
-                    time.sleep(0.2)
-                last_before = max(e["step"] for e in _events(out) if "loss" in e)
-                killed_at = time.time()
-                if how == "killed":  # the machine's processes vanish: peers see resets
-                    pids = subprocess.run(
-                        ["ip", "netns", "pids", b.namespace], capture_output=True, text=True
-                    ).stdout.split()
-                    subprocess.run(["kill", "-9", *pids], check=False)
-                else:  # its link goes down: no reset, no packet, silence
-                    subprocess.run(b.command(["ip", "link", "set", b.interface, "down"]))
-                code = launcher.wait(timeout=240)
-            finally:
-                if launcher.poll() is None:
-                    launcher.kill()
-                reader.join(timeout=10)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + 180
+            while not any(e.get("step", 0) > EVERY for e in _events(out) if "loss" in e):
+                assert launcher.poll() is None, "\n".join(line for _, line in lines)
+                assert time.monotonic() < deadline, "\n".join(line for _, line in lines)
+                time.sleep(0.2)
+            last_before = max(e["step"] for e in _events(out) if "loss" in e)
+            killed_at = time.time()
+            if how == "killed":  # the machine's processes vanish: peers see resets
+                pids = subprocess.run(
+                    ["ip", "netns", "pids", b.namespace], capture_output=True, text=True
+                ).stdout.split()
+                subprocess.run(["kill", "-9", *pids], check=False)
+            else:  # its link goes down: no reset, no packet, silence
+                subprocess.run(b.command(["ip", "link", "set", b.interface, "down"]))
+            code = launcher.wait(timeout=240)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+            reader.join(timeout=10)
     output = "\n".join(line for _, line in lines)
     (tmp_path / "launcher.log").write_text(output)
     assert code == 0, output[-5000:]
@@ -154,40 +162,24 @@ def test_losing_the_rendezvous_host_ends_the_job_on_every_host_with_a_message(tm
     # restart without the store, and everything ends with a message, without hanging.
     out = tmp_path / "elastic"
     out.mkdir()
-    with netns.hosts(3) as (login, a, b):
-        (tmp_path / "hostfile").write_text(f"{a.address} slots=2\n{b.address} slots=2\n")
-        with netns.ssh_servers([a, b], tmp_path) as ssh:
-            argv = [
-                sys.executable, "-m", "zerotrain.cli.main", "run",
-                "--hostfile", str(tmp_path / "hostfile"), "--ssh-command", ssh,
-                "--nnodes", "1:2", "--max-restarts", "3",
-                "--rdzv-conf", "last_call_timeout=2,join_timeout=30",
-                str(SCRIPT), str(out), str(STEPS), str(EVERY), "1",
-            ]  # fmt: skip
-            launcher = login.popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=tmp_path,
-                env=_env(tmp_path),
-            )
-            try:
-                deadline = time.monotonic() + 180
-                while not any(e.get("step", 0) > 1 for e in _events(out) if "loss" in e):
-                    assert launcher.poll() is None
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-                killed_at = time.monotonic()
-                pids = subprocess.run(
-                    ["ip", "netns", "pids", a.namespace], capture_output=True, text=True
-                ).stdout.split()
-                subprocess.run(["kill", "-9", *pids], check=False)
-                output, _ = launcher.communicate(timeout=240)
-                ended_after = time.monotonic() - killed_at
-            finally:
-                if launcher.poll() is None:
-                    launcher.kill()
+    with netns.hosts(3) as (login, a, b), netns.ssh_servers([a, b], tmp_path) as ssh:
+        launcher = _start_elastic_job(login, [a, b], ssh, tmp_path, out)
+        try:
+            deadline = time.monotonic() + 180
+            while not any(e.get("step", 0) > 1 for e in _events(out) if "loss" in e):
+                assert launcher.poll() is None
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            killed_at = time.monotonic()
+            pids = subprocess.run(
+                ["ip", "netns", "pids", a.namespace], capture_output=True, text=True
+            ).stdout.split()
+            subprocess.run(["kill", "-9", *pids], check=False)
+            output, _ = launcher.communicate(timeout=240)
+            ended_after = time.monotonic() - killed_at
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
     print(f"rendezvous host killed: the launcher exited {ended_after:.1f} s later")
     assert launcher.returncode == 1, output[-5000:]
     assert f"node 0 ({a.address})" in output

@@ -208,6 +208,10 @@ def _refusals(tmp: str) -> dict:
     seen["optimizer_step"] = error(engine.optimizer.step)
     seen["save_checkpoint"] = error(lambda: engine.save_checkpoint(tmp))
     engine.reload_states()
+    engine.offload_states(include=[OffloadStateTypeEnum.lp_grads])
+    seen["zero_grad"] = error(engine.zero_grad)
+    seen["torch_style_backward"] = error(lambda: engine(x, y).backward())
+    engine.reload_states()
     engine.reload_states()  # nothing away: nothing to do
     engine.step()  # the pending micro-step's step now runs
     engine.backward(engine(x, y))
@@ -240,10 +244,60 @@ def test_offload_states_refuses_what_deepspeed_refuses_and_guards_the_training_l
     for call in ("backward_then_step", "optimizer_step", "save_checkpoint"):
         assert "needs ['optim_states'], which engine.offload_states()" in seen[call], call
         assert "call engine.reload_states() first" in seen[call], call
+    for call in ("zero_grad", "torch_style_backward"):
+        assert "needs ['lp_grads']" in seen[call], call
     assert seen["global_steps"] == "2"
     assert not any(tmp_path.iterdir())  # the refused save wrote nothing
     assert "needs an optimizer" in seen["no_optimizer"]
     assert "offload_optimizer" in seen["with_offload_optimizer"]
+
+
+class _RootScaled(torch.nn.Module):
+    """The tiny GPT under a root module with a parameter of its own (stage 3 gathers the
+    root's unit in the root's forward pre-hook)."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.gpt = gpt
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.gpt(x, y) * self.scale
+
+
+def _stage3_guards() -> dict:
+    spec = _spec(3, bf16=False)
+    model = _RootScaled(make_model(spec))
+    config = zerotrain_config(spec, 2)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # all gathered
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    params = list(model.parameters())
+    x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
+    for _ in range(GAS):
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.offload_states(include=[OffloadStateTypeEnum.lp_params])
+    seen = {}
+    for name, fn in (
+        ("model_forward", lambda: model(x, y)),
+        ("gathered", lambda: zerotrain.zero.GatheredParameters(params).__enter__()),
+    ):
+        try:
+            fn()
+            seen[name] = "no error"
+        except RuntimeError as exc:
+            seen[name] = str(exc)
+    engine.reload_states()
+    engine.backward(engine(x, y))  # all back: training goes on
+    engine.step()
+    engine.destroy()
+    return seen
+
+
+def test_stage_3_gathers_are_refused_while_the_shards_are_away():
+    seen = run_distributed(_stage3_guards, 2)[0]
+    assert "the model's forward needs ['lp_params']" in seen["model_forward"]
+    assert "a stage-3 gather needs ['lp_params']" in seen["gathered"]
 
 
 def _on_cuda(stage: int) -> dict:

@@ -42,7 +42,15 @@ from zerotrain.engine.lr_find import LRRangeRecorder
 from zerotrain.engine.model_export import consolidated_state_dict, save_16bit_model
 from zerotrain.engine.optimizers import EngineOptimizer
 from zerotrain.engine.ranks import RankQueries
-from zerotrain.engine.state_offload import BACKWARD, CHECKPOINT, FORWARD, STEP, EngineStates
+from zerotrain.engine.state_offload import (
+    BACKWARD,
+    CHECKPOINT,
+    FORWARD,
+    GRADS,
+    LOAD,
+    STEP,
+    EngineStates,
+)
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.estimate import MemoryEstimate
 from zerotrain.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
@@ -235,6 +243,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         return grad * factor if factor != 1.0 else None
 
     def _open_torch_style_backward(self) -> None:
+        self._states.require(BACKWARD, "loss.backward() through the engine")
         if self._backward_pending_step:
             self.strategy.reopen_window()
         self.strategy.begin_backward(self.is_gradient_accumulation_boundary())
@@ -394,8 +403,8 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 "step() called inside engine.no_sync(): leave the context and run the "
                 "micro-step's last backward() first, which reduces the gradients"
             )
-        self._recover_torch_style_backward()
         self._states.require(STEP, "engine.step()")
+        self._recover_torch_style_backward()
         if not self._backward_pending_step:
             raise RuntimeError(
                 "step() called without a backward pass for this micro-step: call "
@@ -501,6 +510,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         Gradients live in the engine's flat buffers, so they are zeroed in place whatever
         ``set_to_none`` says (it is accepted for ``nn.Module`` compatibility).
         """
+        self._states.require(GRADS, "engine.zero_grad()")
         self.strategy.zero_grads()
 
     # -- queries --------------------------------------------------------------------------------
@@ -639,7 +649,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         ``CorruptCheckpointError`` (a file fails its size or checksum check, naming it) or
         ``IncompatibleCheckpointError`` (a different model or optimizer).
         """
-        self._states.require(CHECKPOINT, "load_checkpoint()")
+        self._states.require(LOAD, "load_checkpoint()")
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...) is not supported: DeepSpeed passes it "

@@ -37,6 +37,8 @@ FORWARD = frozenset({"lp_params"})
 BACKWARD = frozenset({"lp_params", "lp_grads"})
 STEP = frozenset({"lp_params", "lp_grads", "hp_params", "optim_states"})
 CHECKPOINT = frozenset({"lp_params", "hp_params", "optim_states"})
+LOAD = CHECKPOINT | {"lp_grads"}  # loading zeroes the gradients
+GRADS = frozenset({"lp_grads"})
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -83,14 +85,17 @@ class EngineStates:
         """The state names away from their device now."""
         return self._mover.offloaded
 
+    def _message(self, needed: frozenset[str], call: str) -> str:
+        away = sorted(self._mover.offloaded & needed)
+        return (
+            f"{call} needs {away}, which engine.offload_states() moved out of device memory; "
+            "call engine.reload_states() first"
+        )
+
     def require(self, needed: frozenset[str], call: str) -> None:
         """Raise if ``call`` needs a state that is offloaded now."""
-        away = self._mover.offloaded & needed
-        if away:
-            raise RuntimeError(
-                f"{call} needs {sorted(away)}, which engine.offload_states() moved out of "
-                "device memory; call engine.reload_states() first"
-            )
+        if self._mover.offloaded & needed:
+            raise RuntimeError(self._message(needed, call))
 
     def offload(
         self,
@@ -138,7 +143,12 @@ class EngineStates:
             self._strategy.drop_idle_staging()
             freed += before - sum(pool.nbytes for pool in self._strategy.pools)
         if "lp_params" in names:
+            if non_blocking and self._strategy.comm.device.type == "cuda":
+                # The parameters will read the host copy: it must have arrived.
+                torch.cuda.current_stream().synchronize()
             self._strategy.point_params(self._mover.host_view)
+            if self._strategy.gatherer is not None:  # stage 3: no gather from the shards
+                self._strategy.gatherer.refusal = self._message(FORWARD, "a stage-3 gather")
         self._guard()
         log.info(
             "offload_states: %s moved to host memory (%.1f MiB freed on %s)",
@@ -149,10 +159,11 @@ class EngineStates:
 
     def reload(self, non_blocking: bool) -> None:
         """Bring every offloaded state back (nothing to do if none is away)."""
-        if not self._mover.offloaded and not self._taken_grads:
-            return
-        self._mover.reload(non_blocking)
-        self._strategy.point_params(None)
+        if self._mover.offloaded:
+            self._mover.reload(non_blocking)
+            self._strategy.point_params(None)
+        if self._strategy.gatherer is not None:
+            self._strategy.gatherer.refusal = None
         for param, grad in self._taken_grads:
             param.grad = grad
         self._taken_grads = []
@@ -172,6 +183,7 @@ class EngineStates:
         def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             self.require(STEP, "optimizer.step()")
 
-        self._hooks.append(self._module.register_forward_pre_hook(before_forward))
+        # First of the model's pre-hooks: before stage 3's, which would gather the shards.
+        self._hooks.append(self._module.register_forward_pre_hook(before_forward, prepend=True))
         if self._optimizer is not None:
             self._hooks.append(self._optimizer.register_step_pre_hook(before_step))

@@ -7,13 +7,14 @@ trains while another model generates, then brings them back for the next update.
 Each state's tensors keep their identity (the optimizer, the parameters and ``.grad`` are
 views of them): what moves is their *storage*. Offloading copies each storage's bytes into
 host memory (pinned on request, where an accelerator exists) and resizes the storage to
-zero, which frees the device memory; reloading resizes it back and copies the bytes in. A
-tensor read while its storage is empty raises rather than returning stale values. Stage 3
-frees its gathered buffers the same way between uses (``shard/partitioned.py``).
+zero, which frees the device memory; reloading resizes it back and copies the bytes in.
+Stage 3 frees its gathered buffers the same way between uses (``shard/partitioned.py``).
 
-Unlike DeepSpeed, the tensors keep reporting their device while offloaded (their values
-are in host memory): the model and optimizer objects stay untouched, so nothing needs
-re-binding on reload.
+Unlike DeepSpeed, the tensors keep reporting their device while offloaded, and reading one
+before the reload reads freed memory (a segfault on the CPU, an illegal access on CUDA):
+``engine/state_offload.py`` guards every engine entry point and re-points the parameters at
+their host copy, but the optimizer's state tensors must not be read meanwhile. In return
+the model and optimizer objects stay untouched, so nothing needs re-binding on reload.
 """
 
 from __future__ import annotations

@@ -135,6 +135,8 @@ class ParamGatherer:
         # NVMe parameter offload: shards of this many units beyond the prefetched ones are
         # read back from their swap files ahead of need (0: no offload).
         self.read_ahead = 0
+        # Why gathers are refused now (engine.offload_states moved the shards away).
+        self.refusal: str | None = None
         self._hooks: list[RemovableHandle] = []
         root_unit = next((u for u, m in enumerate(modules) if m is root), None)
         for u, module in enumerate(modules):
@@ -171,6 +173,8 @@ class ParamGatherer:
     # -- gather / free --------------------------------------------------------------------------
 
     def _issue(self, u: int, count: bool = True) -> Handle:
+        if self.refusal is not None:
+            raise RuntimeError(self.refusal)
         storage = self._storage[u]
         handle = issue(self.comm, storage.unshard(self.units[u].label))
         self._pending[u] = handle
