@@ -84,10 +84,10 @@ def test_hostfile_becomes_multi_node_rendezvous(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "is_host"),
     [
-        (("--node-rank", "0"), "is_host=1"),  # the hostfile's first host: the store's
-        (("--node-rank", "1"), "is_host=0"),
-        (("--node-rank", "0", "--master-addr", "rdzv-box"), "is_host=0"),  # elsewhere
-        (("--node-rank", "1", "--local-addr", "node-b", "--master-addr", "node-b"), "is_host=1"),
+        (("--node-rank", "0"), True),  # the hostfile's first host: the store's
+        (("--node-rank", "1"), False),  # torchrun's own guess decides
+        (("--node-rank", "0", "--master-addr", "10.0.0.5"), False),  # maybe node-a's IP
+        (("--node-rank", "1", "--local-addr", "node-b", "--master-addr", "node-b"), True),
     ],
 )
 def test_the_rendezvous_host_is_named_outright(tmp_path, extra, is_host):
@@ -95,7 +95,8 @@ def test_the_rendezvous_host_is_named_outright(tmp_path, extra, is_host):
     hostfile.write_text("node-a slots=4\nnode-b slots=4\n")
     args = _args("--hostfile", str(hostfile), *extra, "t.py")
     plan = plan_launch(args, environ={}, cuda_available=False)
-    assert f"--rdzv-conf={is_host}" in plan.torchrun_args
+    assert ("--rdzv-conf=is_host=1" in plan.torchrun_args) is is_host
+    assert not any("is_host=0" in a for a in plan.torchrun_args)
     # Multi-host jobs get the peer watchdog, and restarts a fresh store per round.
     assert plan.env["ZEROTRAIN_PEER_TIMEOUT"] == "60"
     restarting = plan_launch(
@@ -141,9 +142,12 @@ HOSTS = [Host("w0", 4), Host("w1", 4), Host("w2", 4)]
     ("kwargs", "expected"),
     [
         ({}, HOSTS),
-        ({"include": "w1@w2:0,2"}, [Host("w1", 4), Host("w2", 2)]),
+        ({"include": "w1@w2:0,2"}, [Host("w1", 4), Host("w2", 2, (0, 2))]),
         ({"exclude": "w1"}, [Host("w0", 4), Host("w2", 4)]),
-        ({"exclude": "w0:0,1@w2:3"}, [Host("w0", 2), Host("w1", 4), Host("w2", 3)]),
+        (
+            {"exclude": "w0:0,1@w2:3"},
+            [Host("w0", 2, (2, 3)), Host("w1", 4), Host("w2", 3, (0, 1, 2))],
+        ),
         ({"num_nodes": 2}, [Host("w0", 4), Host("w1", 4)]),
         ({"num_gpus": 2, "exclude": "w0"}, [Host("w1", 2), Host("w2", 2)]),
     ],
@@ -166,3 +170,24 @@ def test_deepspeed_launcher_filters_select_hosts_and_slots(kwargs, expected):
 def test_bad_launcher_filters_say_what_is_wrong(kwargs, message):
     with pytest.raises(HostfileError, match=message):
         select_hosts(HOSTS, **kwargs)
+
+
+def test_a_node_rank_outside_the_job_is_refused(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    with pytest.raises(HostfileError, match=r"--node-rank 2 is not a node of the job \(0\.\.1"):
+        plan_launch(_args("--hostfile", str(hostfile), "--node-rank", "2", "t.py"), environ={})
+
+
+def test_each_node_gets_the_devices_its_slots_name(tmp_path, monkeypatch):
+    from zerotrain.cli.fanout import node_commands
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # the launcher's own: not passed on
+    hosts = select_hosts([Host("w0", 4), Host("w1", 4)], exclude="w0:0,1@w1:2,3")
+    args = _args("--hostfile", "unused", "t.py")
+    w0, w1 = node_commands(args, hosts, "w0", 29500)
+    assert "CUDA_VISIBLE_DEVICES=2,3" in w0.remote[-1]
+    assert "CUDA_VISIBLE_DEVICES=0,1 " in w1.remote[-1]
+    assert "0,1,2,3" not in w0.remote[-1] + w1.remote[-1]
+    assert "--nproc-per-node=2" in w0.argv
+    assert "--nproc-per-node=2" in w1.argv

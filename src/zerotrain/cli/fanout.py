@@ -26,7 +26,7 @@ from zerotrain.cli.hostfile import Host
 
 # Variables a remote node gets from the launching shell (DeepSpeed exports a similar set,
 # plus the lines of a .deepspeed_env file, which is read too).
-_EXPORTED_PREFIXES = ("ZEROTRAIN_", "NCCL_", "GLOO_", "OMP_", "PYTHON", "CUDA_VISIBLE_DEVICES")
+_EXPORTED_PREFIXES = ("ZEROTRAIN_", "NCCL_", "GLOO_", "OMP_", "PYTHON")
 _ENV_FILES = (".zerotrain_env", ".deepspeed_env")
 TAIL_LINES = 40
 
@@ -74,6 +74,9 @@ def node_commands(
     env = exported_env(environ, cwd)
     commands = []
     for rank, host in enumerate(hosts):
+        node_env = dict(env)
+        if host.slot_ids is not None:  # --include/--exclude chose these local devices
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.slot_ids))
         argv = [
             sys.executable, "-m", "zerotrain.cli.main", "run", "--no_ssh",
             f"--nproc-per-node={host.slots}",
@@ -87,12 +90,16 @@ def node_commands(
         ]  # fmt: skip
         if args.rdzv_conf:
             argv.append(f"--rdzv-conf={args.rdzv_conf}")
+        if args.rdzv_backend:
+            argv.append(f"--rdzv-backend={args.rdzv_backend}")
+        if args.rdzv_endpoint:
+            argv.append(f"--rdzv-endpoint={args.rdzv_endpoint}")
         if args.module:
             argv.append("-m")
         argv += [args.script, *args.script_args]
         line = " ".join(
             [f"cd {shlex.quote(cwd)} &&", "env"]
-            + [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+            + [f"{k}={shlex.quote(v)}" for k, v in sorted(node_env.items())]
             + [shlex.quote(a) for a in argv]
         )
         remote = [*shlex.split(args.ssh_command), host.name, line]
@@ -171,6 +178,7 @@ def fan_out(nodes: list[NodeCommand], elastic: bool = False, grace: float = 30.0
         pump.start()
         running.append((node, proc, pump, tail))
     over_at: float | None = None
+    stopped: set[int] = set()
     while any(proc.poll() is None for _, proc, _, _ in running):
         for node, proc, _, _ in running:
             code = proc.poll()
@@ -178,9 +186,10 @@ def fan_out(nodes: list[NodeCommand], elastic: bool = False, grace: float = 30.0
             if ended and over_at is None:
                 over_at = time.monotonic()
         if over_at is not None and time.monotonic() - over_at > grace:
-            for _, proc, _, tail in running:
-                if proc.poll() is None:
+            for node, proc, _, tail in running:
+                if proc.poll() is None and node.node_rank not in stopped:
                     proc.kill()
+                    stopped.add(node.node_rank)
                     tail.append(f"(stopped by the launcher {grace:.0f} s after the job ended)")
         time.sleep(0.2)
     failed = []

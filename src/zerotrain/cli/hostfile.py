@@ -17,10 +17,12 @@ class HostfileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Host:
-    """One machine of the job and how many processes it runs."""
+    """One machine of the job and how many processes it runs (``slot_ids``: which of its
+    slots, i.e. local devices, when a filter chose some; None: the first ``slots``)."""
 
     name: str
     slots: int
+    slot_ids: tuple[int, ...] | None = None
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
@@ -144,7 +146,12 @@ def select_hosts(
             slots = {n: _keep(s, chosen[n]) for n, s in slots.items() if n in chosen}
         else:
             slots = {n: _drop(s, chosen[n]) if n in chosen else s for n, s in slots.items()}
-    selected = [Host(n, len(s)) for n, s in slots.items() if s]
+    full = {h.name: h.slots for h in hosts}
+    selected = [
+        Host(n, len(s), None if s == list(range(full[n])) else tuple(s))
+        for n, s in slots.items()
+        if s
+    ]
     if num_nodes is not None:
         if num_nodes < 1:
             raise HostfileError(f"--num_nodes must be >= 1, got {num_nodes}")
@@ -152,7 +159,10 @@ def select_hosts(
     if num_gpus is not None:
         if num_gpus < 1:
             raise HostfileError(f"--num_gpus must be >= 1, got {num_gpus}")
-        selected = [Host(h.name, min(h.slots, num_gpus)) for h in selected]
+        selected = [
+            Host(h.name, min(h.slots, num_gpus), h.slot_ids and h.slot_ids[:num_gpus])
+            for h in selected
+        ]
     if not selected:
         raise HostfileError("no host is left after --include/--exclude")
     return selected

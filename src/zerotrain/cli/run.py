@@ -131,6 +131,11 @@ def _node_layout(
         return host_slots, nnodes, node_rank, master_addr
     if node_rank is None:
         node_rank = this_node_rank(hosts)
+    if not 0 <= node_rank < len(hosts):
+        raise HostfileError(
+            f"--node-rank {node_rank} is not a node of the job (0..{len(hosts) - 1}: "
+            f"{', '.join(h.name for h in hosts)})"
+        )
     return host_slots, nnodes or str(len(hosts)), node_rank, master_addr or hosts[0].name
 
 
@@ -226,12 +231,14 @@ def plan_launch(
         # Whether this node hosts the rendezvous store, said outright where this node's
         # address is known: torchrun guesses it from host names otherwise, which fails
         # where a host has several addresses (it then finds no store host).
+        # Only a match is said: names and addresses of one host may differ (a hostfile name
+        # and an IP), where torchrun's own guess still finds the store host.
         here = args.local_addr
         if here is None and args.hostfile and node_rank is not None:
             here = selected_hosts(args)[node_rank].name
         conf = [args.rdzv_conf]
-        if here is not None:
-            conf.insert(0, f"is_host={int(endpoint.rsplit(':', 1)[0] == here)}")
+        if here is not None and endpoint.rsplit(":", 1)[0] == here:
+            conf.insert(0, "is_host=1")
         if any(conf):
             torchrun.append(f"--rdzv-conf={','.join(filter(None, conf))}")
         if args.local_addr:
@@ -279,7 +286,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerotrain run: {err}", file=sys.stderr)
         return 2
     if args.print_commands:
-        print(shlex.join([sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args]))
+        assigned = [f"{k}={v}" for k, v in sorted(plan.env.items())]
+        command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args]
+        print(shlex.join(["env", *assigned, *command] if assigned else command))
         return 0
     os.environ.update(plan.env)
     try:

@@ -350,7 +350,9 @@ def _start_heartbeats(env: DistEnv) -> None:
     if env.world_size > 1:
         liveness.start_store_heartbeats(env.rank, lambda: liveness.store_client(env.timeout))
         silence = liveness.peer_timeout()
-        if silence is not None:
+        # Only where the job's store is known (torchrun's variables): explicit init
+        # methods give no store to read heartbeats from.
+        if silence is not None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             short = datetime.timedelta(seconds=min(silence, 10.0))
             liveness.PeerWatchdog(
                 env.rank, env.world_size, lambda: liveness.store_client(short), silence

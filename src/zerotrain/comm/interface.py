@@ -54,10 +54,17 @@ def choose_gloo_interface() -> str | None:
         resolved = socket.gethostbyname(master)
     except OSError:
         return None
+    target = resolved
     with contextlib.suppress(ValueError):
         if ipaddress.ip_address(resolved).is_loopback:
-            return None  # one host: gloo's default serves
-    name = interface_towards(resolved)
+            # Node 0's own name often resolves to 127.0.1.1 (Debian's /etc/hosts): on one
+            # host gloo's default serves, across hosts the other hosts must reach this one,
+            # so take the interface of the default route.
+            world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+            if not (world.isdigit() and local.isdigit() and int(world) > int(local)):
+                return None
+            target = "192.0.2.1"  # any address off this host (TEST-NET-1; nothing is sent)
+    name = interface_towards(target)
     if name is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
     return name

@@ -288,7 +288,11 @@ class PeerWatchdog:
     the collective timeout (``ZEROTRAIN_COMM_TIMEOUT``, 10 minutes by default); with it,
     the collective timeout can stay long for legitimately slow collectives, which keep
     every peer ticking. Only a blocked wait counts: a peer that finished and exited while
-    this rank works on alone is no reason to stop.
+    this rank works on alone is no reason to stop. The store is read only during waits
+    longer than a second, one request per poll (``multi_get``), so a large job does not
+    load it while it trains. Silence is judged over all ranks of the job, not the blocked
+    collective's group (a subgroup's collective waiting on a slow peer while an unrelated
+    rank has exited normally would be misjudged; not seen in zerotrain's own groups).
 
     Args:
         rank / world_size: this rank and the job's size (global).
@@ -318,8 +322,12 @@ class PeerWatchdog:
         """End the thread (idempotent)."""
         self._stop.set()
 
-    def _counts(self, store: dist.Store) -> list[int]:
-        return [int(store.add(f"{_STORE_PREFIX}{r}", 0)) for r in self.others]
+    def _counts(self, store: dist.Store, fresh: bool) -> list[int]:
+        keys = [f"{_STORE_PREFIX}{r}" for r in self.others]
+        if fresh:  # a get waits for a missing key: create any a rank has not ticked yet
+            for key in keys:
+                store.add(key, 0)
+        return [int(value) for value in store.multi_get(keys)]
 
     def _run(self) -> None:
         store: dist.Store | None = None
@@ -327,9 +335,14 @@ class PeerWatchdog:
         unreachable_since: float | None = None
         while not self._stop.wait(1.0):
             now = time.monotonic()
+            if not _WAITING or now - _WAITING[0] < 1.0:
+                changed.clear()  # silence is measured within one blocked wait
+                unreachable_since = None
+                continue
             try:
+                fresh = store is None
                 store = store if store is not None else self._make_store()
-                counts = self._counts(store) if store is not None else None
+                counts = self._counts(store, fresh) if store is not None else None
             except Exception:
                 store, counts = None, None
             if counts is None:

@@ -4,6 +4,7 @@ itself is ``zerotrain.config.elastic_batch``; the engine applies it at ``initial
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from zerotrain.config.elastic_batch import (
@@ -40,7 +41,8 @@ def compute_elastic_config(
 ) -> tuple[Any, ...]:
     """DeepSpeed's call: ``(train_batch_size, valid_world_sizes)`` of the config's elastic
     plan, with the micro-batch size as a third value when ``world_size`` (> 0, the
-    data-parallel world size) is given or ``return_microbatch``. ``target_deepspeed_version``
+    data-parallel world size; version 0.2 reads ``WORLD_SIZE`` without one, as DeepSpeed
+    does) is given or ``return_microbatch``. ``target_deepspeed_version``
     is accepted for the signature's sake (the plan is the same in every version zerotrain
     follows).
 
@@ -59,6 +61,8 @@ def compute_elastic_config(
     except ConfigError as err:
         raise ElasticityConfigError(str(err)) from err
     assert section is not None
+    if world_size <= 0 and section.version == 0.2 and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])  # as DeepSpeed: version 0.2 needs one
     plan = plan_elastic_batch(section.options(), world_size)
     if world_size > 0 or return_microbatch:
         return plan.train_batch_size, list(plan.valid_world_sizes), plan.micro_batch_size
