@@ -158,7 +158,8 @@ class ZeroTrainTrainer(Trainer):
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         # A model loaded inside zero.Init has no values yet (its parameters are on the meta
         # device, recorded): initialize computes and places them, partitioned.
-        if any(p.is_meta for p in model.parameters()):
+        params = list(model.parameters())
+        if params and all(p.is_meta for p in params):
             return
         super()._move_model_to_device(model, device)
 
