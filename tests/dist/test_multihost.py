@@ -7,6 +7,11 @@ crosses the link (gloo over TCP, each rank bound to its host's interface). Needs
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from tests.helpers.training import RunSpec, assert_matches, train_reference, train_zerotrain
@@ -49,3 +54,33 @@ def test_three_hosts_train_like_three_ranks_on_one_host():
         three_hosts = netns.run_on_hosts(train_zerotrain, placement, spec, timeout=300)
     for rank in range(3):
         _same(three_hosts[rank], one_host[rank])
+
+
+LEAVER = """
+import os, signal, subprocess
+from zerotrain.testing import netns
+with netns.hosts(2) as placement:
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    sleeper = placement[1].popen(["sleep", "600"], **quiet)
+    print(placement[0].namespace, placement[1].namespace, sleeper.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs
+"""
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def test_what_a_killed_run_left_is_removed_by_the_next():
+    done = subprocess.run(
+        [sys.executable, "-c", LEAVER], capture_output=True, text=True, timeout=60
+    )
+    first, second, sleeper = done.stdout.split()
+    assert {first, second} <= _namespaces()
+    assert Path(f"/proc/{sleeper}").exists()
+    removed = netns.sweep_stale()
+    assert {first, second} <= set(removed)
+    assert not {first, second} & _namespaces()
+    time.sleep(0.5)
+    assert not Path(f"/proc/{sleeper}").exists() or "Z" in Path(f"/proc/{sleeper}/stat").read_text()

@@ -82,6 +82,46 @@ class Host:
         return total
 
 
+# Which namespaces each live test process made: a process killed outright (a CI run
+# stopped with SIGKILL) never reaches its cleanup, and the next ``hosts()`` removes what it
+# left, with every process still inside.
+RECORDS = Path("/run/zerotrain-netns")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(name: str) -> None:
+    """End every process in namespace ``name``, then delete it (with its interfaces)."""
+    pids = _ip("netns", "pids", name, check=False).stdout.split()
+    if pids:
+        subprocess.run(["kill", "-9", *pids], capture_output=True, check=False)
+    _ip("netns", "del", name, check=False)
+
+
+def sweep_stale() -> list[str]:
+    """Remove the namespaces of test processes that are gone; returns their names."""
+    removed: list[str] = []
+    if not RECORDS.is_dir():
+        return removed
+    for record in RECORDS.iterdir():
+        owner, _, names = record.read_text().partition("\n")
+        if owner.strip().isdigit() and _alive(int(owner)):
+            continue
+        for name in names.split():
+            _remove(name)
+            removed.append(name)
+        record.unlink(missing_ok=True)
+    return removed
+
+
 @contextlib.contextmanager
 def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
     """``count`` hosts on one switch (each link throttled to ``rate``, e.g. "100mbit", in
@@ -95,13 +135,17 @@ def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(reason)
+    sweep_stale()
     tag = f"zt{os.getpid() % 100000}"
     subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
     switch = f"{tag}sw"
     made: list[str] = []
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    record = RECORDS / f"{tag}-{time.monotonic_ns()}"
     try:
         _ip("netns", "add", switch)
         made.append(switch)
+        record.write_text(f"{os.getpid()}\n{switch}\n")
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", switch, "link", "set", "br0", "up")
         found = []
@@ -109,6 +153,7 @@ def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
             name, inner, outer = f"{tag}h{i}", f"{tag}h{i}", f"{tag}p{i}"
             _ip("netns", "add", name)
             made.append(name)
+            record.write_text(f"{os.getpid()}\n" + "\n".join(made) + "\n")
             _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
             _ip("link", "set", inner, "netns", name)
             _ip("link", "set", outer, "netns", switch)
@@ -127,11 +172,8 @@ def hosts(count: int, rate: str | None = None) -> Iterator[list[Host]]:
         raise RuntimeError(f"setting up network namespaces failed: {err.stderr.strip()}") from err
     finally:
         for name in reversed(made):
-            # Processes outlive a deleted namespace: end every one still in it first.
-            pids = _ip("netns", "pids", name, check=False).stdout.split()
-            if pids:
-                subprocess.run(["kill", "-9", *pids], capture_output=True, check=False)
-            _ip("netns", "del", name, check=False)  # takes its interfaces with it
+            _remove(name)  # processes outlive a deleted namespace: they are ended first
+        record.unlink(missing_ok=True)
 
 
 def _throttle(namespace: str, device: str, rate: str) -> None:
