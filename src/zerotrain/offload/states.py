@@ -109,11 +109,6 @@ class StateMover:
         """The state names whose storages are in host memory (or freed) now."""
         return frozenset(self._moved)
 
-    @property
-    def host_bytes(self) -> int:
-        """Bytes held in host memory for the offloaded states."""
-        return sum(m.nbytes for moved in self._moved.values() for m in moved if m.host is not None)
-
     def offload(
         self,
         states: Mapping[str, Sequence[torch.Tensor]],
@@ -170,16 +165,12 @@ class StateMover:
         flat = moved.host.view(tensor.dtype)[start : start + tensor.numel()]
         return flat.view(tensor.shape)
 
-    def reload(self, non_blocking: bool) -> int:
-        """Give every emptied storage its bytes back (scratch ones come back uninitialised).
-        Returns the bytes restored."""
-        restored = 0
+    def reload(self, non_blocking: bool) -> None:
+        """Give every emptied storage its bytes back (scratch ones come back uninitialised)."""
         for moved in self._moved.values():
             for m in moved:
                 m.storage.resize_(m.nbytes)
                 if m.host is not None:
                     _bytes_of(m.storage).copy_(m.host, non_blocking=non_blocking and m.pinned)
-                restored += m.nbytes
         self._moved.clear()
         self._of_tensor.clear()
-        return restored
