@@ -156,7 +156,7 @@ class ParamGatherer:
                 setattr(module, mark, True)
         first_id = 0
         for u, storage in enumerate(self._storage):
-            register(list(storage.params), Home(comm, self, u))  # for GatheredParameters
+            register(list(storage.params), Home.of_unit(comm, self, u))  # for GatheredParameters
             storage.number(first_id)  # DeepSpeed's ds_id, read by export scripts
             first_id += len(storage.params)
         for u, unit in enumerate(self.units):

@@ -12,6 +12,7 @@ On the other micro-steps the hooks only keep gradients where the unit expects th
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,6 +26,18 @@ from zerotrain.utils.logging import get_logger
 from zerotrain.zero.issue import issue
 
 log = get_logger(__name__)
+
+
+def _on_grad(sync: weakref.ref[GradientSynchronizer], u: int, i: int, param: torch.Tensor) -> None:
+    target = sync()
+    if target is not None:
+        target._on_grad(u, i, param)
+
+
+def _before_grad(sync: weakref.ref[GradientSynchronizer], grad: torch.Tensor) -> None:
+    target = sync()
+    if target is not None:
+        target._before_grad(grad)
 
 
 class GradientSynchronizer:
@@ -84,12 +97,17 @@ class GradientSynchronizer:
         }
         self._absent: set[tuple[int, int]] = set()
         self._hooks: list[RemovableHandle] = []
+        # The hooks reach this object weakly: autograd holds a leaf's hooks from C++, where
+        # the garbage collector cannot see them, so a strong reference would close a cycle
+        # (parameter -> hook -> units -> parameter) that keeps a dropped engine's model,
+        # shards and communicators alive until the process ends.
+        me = weakref.ref(self)
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
                 if unit.trainable[i]:
-                    hook = functools.partial(self._on_grad, u, i)
-                    self._hooks.append(param.register_post_accumulate_grad_hook(hook))
-                    self._hooks.append(param.register_hook(self._before_grad))
+                    on_grad = functools.partial(_on_grad, me, u, i)
+                    self._hooks.append(param.register_post_accumulate_grad_hook(on_grad))
+                    self._hooks.append(param.register_hook(functools.partial(_before_grad, me)))
 
     def begin_backward(self, boundary: bool, requires_sync: bool = True) -> None:
         """Arm the hooks for one backward pass (``boundary``: last micro-step of a window;

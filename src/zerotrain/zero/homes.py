@@ -9,6 +9,7 @@ engine detaches. This is the one process-wide table of the package.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,11 +25,23 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Home:
     """Where a parameter lives: the ranks that share it (``comm``) and, at stage 3, the
-    gatherer and unit that make it whole."""
+    gatherer and unit that make it whole.
+
+    The gatherer is held weakly: it holds the parameters, and a value of a weak-key table
+    that reaches its own key keeps the entry (and the whole model) alive for good. The
+    model's hooks keep the gatherer alive for as long as the model is."""
 
     comm: Communicator
-    gatherer: ParamGatherer | None = None
+    gatherer_ref: weakref.ref[ParamGatherer] | None = None
     unit: int = -1
+
+    @classmethod
+    def of_unit(cls, comm: Communicator, gatherer: ParamGatherer, unit: int) -> Home:
+        return cls(comm, weakref.ref(gatherer), unit)
+
+    @property
+    def gatherer(self) -> ParamGatherer | None:
+        return None if self.gatherer_ref is None else self.gatherer_ref()
 
 
 _HOMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -49,4 +62,6 @@ def unregister(params: list[nn.Parameter]) -> None:
 def home_of(param: nn.Parameter) -> Home | None:
     """Where ``param`` lives, or None if no engine holds it."""
     home = _HOMES.get(param)
-    return home if isinstance(home, Home) else None
+    if not isinstance(home, Home) or (home.gatherer_ref is not None and home.gatherer is None):
+        return None  # no engine, or its gatherer is gone with the model's hooks
+    return home

@@ -388,7 +388,9 @@ class Init:
         # Recording a large model allocates and frees many tensors of a few MiB; mapped
         # individually, they leave nothing behind in the C heap.
         self._mapping = map_large_allocations()
-        self._new = nn.Parameter.__new__
+        # The class's own entry (a staticmethod), so the exit puts back the very object:
+        # assigning the bare function back would leave a different ``__new__`` behind.
+        self._new = vars(nn.Parameter)["__new__"]
         # nn.init functions are recorded whole: some draw a data-dependent amount of random
         # numbers (trunc_normal_'s rejection sampling), which no meta tensor can follow.
         self._inits = {

@@ -17,8 +17,8 @@ the model's own loss the sequence's mean.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from itertools import count
 from typing import Any
 
 import torch
@@ -27,7 +27,16 @@ from torch import nn
 from zerotrain.comm.collectives import Communicator
 from zerotrain.parallel.sequence.attention import gather_heads, to_sequence
 
-_names = count()
+ATTN_IMPLEMENTATION = "zerotrain_ulysses"
+"""The one name registered with ``AttentionInterface``, for every wrapped model."""
+
+# attention module -> (the model's own attention function, its sequence group). Keyed
+# weakly: the registry entry is process-wide and permanent, so what it routes through must
+# go with the model (an entry per engine holding its communicator kept every dropped
+# engine's shared-memory arena alive).
+_ROUTES: weakref.WeakKeyDictionary[nn.Module, tuple[Callable[..., Any], Communicator]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def wrap_transformers_attention(model: nn.Module, comm: Communicator) -> str:
@@ -47,35 +56,44 @@ def wrap_transformers_attention(model: nn.Module, comm: Communicator) -> str:
             "models are wrapped this way; give other models an _sp_plan naming their "
             "attention cores"
         )
-    if implementation == "eager" or implementation not in ALL_ATTENTION_FUNCTIONS:
-        implementation = "sdpa"  # eager needs a mask for causality; SDPA takes is_causal
-    local = ALL_ATTENTION_FUNCTIONS[implementation]
-    name = f"zerotrain_ulysses_{next(_names)}"
-    AttentionInterface.register(name, _routed(local, comm))
-    model.set_attn_implementation(name)  # type: ignore[operator]
-    return name
+    earlier = _ROUTES.get(model)
+    if implementation == ATTN_IMPLEMENTATION and earlier is not None:
+        local = earlier[0]  # wrapped again (a new engine): the model's own function stays
+    else:
+        if implementation == "eager" or implementation not in ALL_ATTENTION_FUNCTIONS:
+            implementation = "sdpa"  # eager needs a mask for causality; SDPA takes is_causal
+        local = ALL_ATTENTION_FUNCTIONS[implementation]
+    for module in model.modules():  # the attention modules are among them
+        _ROUTES[module] = (local, comm)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _routed)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)  # type: ignore[operator]
+    return ATTN_IMPLEMENTATION
 
 
-def _routed(local: Callable[..., Any], comm: Communicator) -> Callable[..., Any]:
-    def attention(
-        module: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        # transformers: q, k, v are [b, h, s, d]; the context comes back as [b, s, h, d].
-        q, k, v, split, lengths = gather_heads(query, key, value, comm, 1, 2, type(module).__name__)
-        saved = getattr(module, "num_key_value_groups", None)
-        module.num_key_value_groups = split.groups[comm.rank]  # type: ignore[assignment]
-        try:
-            context, _ = local(module, q, k, v, None, **kwargs)
-        finally:
-            if saved is None:
-                del module.num_key_value_groups
-            else:
-                module.num_key_value_groups = saved
-        return to_sequence(context, comm, 2, 1, split.query, lengths), None
-
-    return attention
+def _routed(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    route = _ROUTES.get(module)
+    if route is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses attention {ATTN_IMPLEMENTATION!r} but belongs to no "
+            "model wrapped by wrap_transformers_attention"
+        )
+    local, comm = route
+    # transformers: q, k, v are [b, h, s, d]; the context comes back as [b, s, h, d].
+    q, k, v, split, lengths = gather_heads(query, key, value, comm, 1, 2, type(module).__name__)
+    saved = getattr(module, "num_key_value_groups", None)
+    module.num_key_value_groups = split.groups[comm.rank]  # type: ignore[assignment]
+    try:
+        context, _ = local(module, q, k, v, None, **kwargs)
+    finally:
+        if saved is None:
+            del module.num_key_value_groups
+        else:
+            module.num_key_value_groups = saved
+    return to_sequence(context, comm, 2, 1, split.query, lengths), None
