@@ -73,7 +73,7 @@ def _start_elastic_job(
         sys.executable, "-m", "zerotrain.cli.main", "run",
         "--hostfile", str(tmp_path / "hostfile"), "--ssh-command", ssh,
         "--nnodes", f"1:{len(nodes)}", "--max-restarts", "3",
-        "--rdzv-conf", "last_call_timeout=2,join_timeout=60",
+        "--rdzv-conf", "last_call_timeout=2,join_timeout=60", "--node-grace", "5",
         str(SCRIPT), str(out), str(STEPS), str(EVERY), "1",
     ]  # fmt: skip
     return place.popen(
@@ -86,17 +86,26 @@ def _start_elastic_job(
     )
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The uninterrupted 2-rank run's loss per step (one run for both cases)."""
+    events = _uninterrupted(tmp_path_factory.mktemp("elastic") / "ref")
+    return {e["step"]: e["loss"] for e in events if "loss" in e}
+
+
 @pytest.mark.slow
+@pytest.mark.budget(120, reason="two hosts with an sshd each, a host lost and a restart")
 @pytest.mark.parametrize("how", ["killed", "unplugged"])
-def test_losing_a_host_restarts_the_job_on_the_other_from_its_checkpoint(tmp_path: Path, how):
-    reference = {e["step"]: e["loss"] for e in _uninterrupted(tmp_path / "ref") if "loss" in e}
+def test_losing_a_host_restarts_the_job_on_the_other_from_its_checkpoint(
+    tmp_path: Path, how: str, reference: dict[int, float]
+):
     out = tmp_path / "elastic"
     out.mkdir()
     lines: list[tuple[float, str]] = []
     with netns.hosts(2) as (a, b), netns.ssh_servers([a, b], tmp_path) as ssh:
-        # A cut link is found by the peer watchdog (20 s of silence) while the
-        # collective timeout stays at its default 10 minutes.
-        quiet = {"ZEROTRAIN_COMM_TIMEOUT": "600", "ZEROTRAIN_PEER_TIMEOUT": "20"}
+        # A cut link is found by the peer watchdog (8 s of silence: 16 missed heartbeats)
+        # while the collective timeout stays at its default 10 minutes.
+        quiet = {"ZEROTRAIN_COMM_TIMEOUT": "600", "ZEROTRAIN_PEER_TIMEOUT": "8"}
         env = quiet if how == "unplugged" else {}
         launcher = _start_elastic_job(a, [a, b], ssh, tmp_path, out, **env)
 

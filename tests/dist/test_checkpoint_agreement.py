@@ -19,7 +19,7 @@ from tests.helpers.training import (
     micro_batch,
     zerotrain_config,
 )
-from zerotrain.testing.dist import run_distributed
+from zerotrain.testing.dist import BREAKS_THE_GROUP, run_distributed
 
 
 def _engine():
@@ -71,7 +71,9 @@ def test_a_save_on_one_rank_only_fails_fast_on_both_ranks(tmp_path, shm):
     # reduction, and both stop with a message naming both, instead of waiting for the
     # collective timeout or exchanging mismatched data.
     env = {"ZEROTRAIN_SHM": shm}
-    rank0, rank1 = run_distributed(_save_on_rank_0_only, 2, str(tmp_path), env=env, timeout=120)
+    rank0, rank1 = run_distributed(
+        _save_on_rank_0_only, 2, str(tmp_path), env=env, timeout=120, own_processes=BREAKS_THE_GROUP
+    )
     for got in (rank0, rank1):
         assert got["error"] is not None, got
         assert "CollectiveError" in got["error"], got

@@ -49,6 +49,7 @@ def _partitioned_over_mpu_group() -> None:
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     checkpointing.reset()
+    dist.destroy_process_group(group)
 
 
 def test_configure_with_mpu_partitions_over_its_group() -> None:

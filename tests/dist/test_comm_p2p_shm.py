@@ -174,12 +174,16 @@ def _sub_group() -> dict[str, object]:
             ]
         )
         results.append(theirs)
+    channels = shared.open_p2p_channels
+    del shared, gloo
+    dist.destroy_process_group(odd)
+    dist.destroy_process_group(even)
     return {
         "bitwise": torch.equal(results[0].view(torch.uint8), results[1].view(torch.uint8)),
         "expected": torch.equal(
             results[0], _payload(dist.get_rank() ^ 2, 10_000, torch.bfloat16, 7)
         ),
-        "channels": shared.open_p2p_channels,
+        "channels": channels,
     }
 
 

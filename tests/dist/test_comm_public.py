@@ -70,6 +70,7 @@ def _script() -> dict:
     handle = zdist.all_reduce(t, group=pair, async_op=True)
     handle.wait()
     seen["group_sum"] = t.item()
+    zdist.destroy_process_group(pair)  # and its communicator
 
     stats = public._communicator(None).snapshot()
     seen["counted_all_reduce"] = stats.get(op="all_reduce", purpose="user").calls

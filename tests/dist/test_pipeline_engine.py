@@ -30,7 +30,7 @@ from tests.helpers.pipeline import (
 )
 from zerotrain.examples.gpt import gpt_loss_fn
 from zerotrain.pipe import LayerSpec, PipelineModule
-from zerotrain.testing.dist import run_distributed
+from zerotrain.testing.dist import BREAKS_THE_GROUP, run_distributed
 
 MICRO = 8
 
@@ -219,7 +219,9 @@ def _non_tensor_boundary() -> str:
 
 
 def test_a_layer_returning_a_dict_is_named():
-    first, second = run_distributed(_non_tensor_boundary, 2, timeout=120, comm_timeout=20)
+    first, second = run_distributed(
+        _non_tensor_boundary, 2, timeout=120, comm_timeout=20, own_processes=BREAKS_THE_GROUP
+    )
     assert first.startswith("TypeError"), first
     assert "layer 1 (_ReturnsDict)" in first, first
     assert "dict" in first, first
@@ -383,7 +385,9 @@ def _fails_part_way() -> list[str]:
 
 
 def test_a_step_that_fails_part_way_refuses_the_next():
-    results = run_distributed(_fails_part_way, 2, timeout=120, comm_timeout=8)
+    results = run_distributed(
+        _fails_part_way, 2, timeout=120, comm_timeout=8, own_processes=BREAKS_THE_GROUP
+    )
     for seen in results:
         assert len(seen) == 2, seen
         assert "cannot go on; restart from the last checkpoint" in seen[1], seen

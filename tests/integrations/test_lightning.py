@@ -140,10 +140,18 @@ def _resume_job(checkpoint: str, batch: int) -> list[float]:
     return module.losses
 
 
+# Importing Lightning replaces torch.compile for good (to capture its arguments), and the
+# Trainer's teardown removes WORLD_SIZE from the environment: a pooled rank would hand both
+# to the next test.
+LIGHTNING_PATCHES = "Lightning patches torch.compile on import and removes WORLD_SIZE"
+
+
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], str]:
     checkpoint = str(tmp_path_factory.mktemp("lightning") / "after-epoch-1")
-    results = run_distributed(_parity_job, 2, [0, 1, 2, 3], checkpoint, timeout=240)
+    results = run_distributed(
+        _parity_job, 2, [0, 1, 2, 3], checkpoint, timeout=240, own_processes=LIGHTNING_PATCHES
+    )
     return results, checkpoint
 
 
@@ -177,7 +185,9 @@ def test_resume_on_one_rank_continues_exactly(
     batch: epoch 2's losses equal the uninterrupted 2-rank run's (the mean of its ranks').
     The job also runs examples/lightning_gpt.py's main for 2 steps on that rank."""
     results, checkpoint = parity_runs
-    [resumed] = run_distributed(_resume_job, 1, checkpoint, 2 * MICRO, timeout=120)
+    [resumed] = run_distributed(
+        _resume_job, 1, checkpoint, 2 * MICRO, timeout=120, own_processes=LIGHTNING_PATCHES
+    )
     per_epoch = SAMPLES // (2 * MICRO)
     ranks = [out["zerotrain_stage_3"][0][per_epoch:] for out in results]
     expected = torch.tensor(ranks, dtype=torch.float64).mean(dim=0)

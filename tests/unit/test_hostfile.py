@@ -191,3 +191,15 @@ def test_each_node_gets_the_devices_its_slots_name(tmp_path, monkeypatch):
     assert "0,1,2,3" not in w0.remote[-1] + w1.remote[-1]
     assert "--nproc-per-node=2" in w0.argv
     assert "--nproc-per-node=2" in w1.argv
+
+
+def test_a_negative_node_grace_is_refused_before_anything_starts(tmp_path, capsys):
+    from zerotrain.cli.run import run
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    args = _args(
+        "--hostfile", str(hostfile), "--node-grace", "-1", "--ssh-command", "false", "t.py"
+    )
+    assert run(args) == 2
+    assert "--node-grace must be >= 0 seconds, got -1.0" in capsys.readouterr().err

@@ -17,6 +17,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "zerotrain"
 DISTRIBUTED_ALLOWED = {
     "comm/": "the communication layer: the only caller of torch.distributed",
     "testing/dist.py": "spawns ranks and owns the rendezvous store for tests",
+    "testing/pool.py": "test worker pools: one process group made per pool, run many jobs",
+    "testing/isolation.py": "checks, between pooled tests, what a test left in the process groups",
     "cli/bootstrap.py": "torchrun's error recorder around the user's script",
     "cli/run.py": "the launcher runs torchrun itself",
 }

@@ -104,6 +104,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts")
     parser.add_argument(
+        "--node-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="multi-host: once the job is over (a node failed; elastic: node 0 ended), how "
+        "long the other nodes may take to end before their ssh sessions are stopped "
+        "(default 30; a host cut off from the network never ends by itself)",
+    )
+    parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -280,7 +289,10 @@ def run(args: argparse.Namespace) -> int:
                 print_commands(args, hosts, addr, port)
                 return 0
             elastic = args.nnodes is not None and ":" in str(args.nnodes)
-            return fan_out(node_commands(args, hosts, addr, port), elastic=elastic)
+            if args.node_grace < 0:
+                raise ValueError(f"--node-grace must be >= 0 seconds, got {args.node_grace}")
+            nodes = node_commands(args, hosts, addr, port)
+            return fan_out(nodes, elastic=elastic, grace=args.node_grace)
         plan = plan_launch(args)
     except (HostfileError, ValueError) as err:
         print(f"zerotrain run: {err}", file=sys.stderr)

@@ -318,6 +318,14 @@ def use_logger_policy(policy: CommsLoggerPolicy) -> None:
         comm.configure_logger(policy)
 
 
+def forget_communicators() -> None:
+    """Drop this module's communicators and comms-logger settings, as a new process starts
+    with none (a test pool between tests; destroying groups is the caller's business)."""
+    global _policy
+    _COMMS.clear()
+    _policy = CommsLoggerPolicy()
+
+
 def log_summary(show_straggler: bool = False) -> str:
     """The comms logger's table of this module's collectives so far (logged on rank 0;
     also returned). ``show_straggler`` is accepted; zerotrain does not measure it."""

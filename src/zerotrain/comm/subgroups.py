@@ -15,6 +15,8 @@ import torch.distributed as dist
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.local import LocalCommunicator
 
+GROUP_DESC = "zerotrain:subgroup"
+
 
 def _check_partition(partition: Sequence[Sequence[int]], world_size: int) -> None:
     seen = sorted(rank for group in partition for rank in group)
@@ -47,7 +49,9 @@ def split(world: Communicator, partition: Sequence[Sequence[int]]) -> Communicat
         return world
     if all(len(group) == 1 for group in partition):
         return LocalCommunicator(world.device, world.timeout)
+    # The description names the groups as zerotrain's in torch's registry (and in NCCL's
+    # logs); the test pool releases them with the engine that made them.
     mine, _ = dist.new_subgroups_by_enumeration(
-        [list(group) for group in partition], timeout=world.timeout
+        [list(group) for group in partition], timeout=world.timeout, group_desc=GROUP_DESC
     )
     return Communicator(mine, timeout=world.timeout, device=world.device)

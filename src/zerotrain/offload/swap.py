@@ -373,12 +373,18 @@ def remove_stale_swap_directories(root: Path) -> list[Path]:
     return removed
 
 
-def _close_open_directories_on_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM (a scheduler cancelling the job): remove the swap files, then let the
-    signal do what it did before (the default: terminate)."""
+def close_open_directories() -> None:
+    """Close every swap directory of this process, as its exit would (SIGTERM, a test pool
+    between tests)."""
     for directory in list(_OPEN_DIRECTORIES):
         with contextlib.suppress(Exception):
             directory.close()
+
+
+def _close_open_directories_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler cancelling the job): remove the swap files, then let the
+    signal do what it did before (the default: terminate)."""
+    close_open_directories()
     signal.signal(signal.SIGTERM, _PREVIOUS_SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -15,6 +15,7 @@ well under a second. The rendezvous store is created by the parent on a free por
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -49,11 +50,49 @@ class DistributedTestError(RuntimeError):
     """A rank raised, crashed or hung inside :func:`run_distributed`."""
 
 
+# What the forkserver imports once, so that no rank pays for it: torch's compiler stack is
+# imported lazily by the first engine (1.6 s of every fresh rank's time, measured).
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "zerotrain", "zerotrain.engine"]
+_use_pools = False
+
+# The reason to give ``own_processes`` for a job that leaves a collective unmatched on
+# purpose (a timeout or a mismatch it then reports): its ranks' gloo pairs are out of step.
+# Jobs run in this process, by (how, world size): the suite's summary reports them.
+JOBS: collections.Counter[tuple[str, int]] = collections.Counter()
+
+BREAKS_THE_GROUP = "a collective left unmatched on purpose leaves the group unusable"
+
+
+def use_pools(enabled: bool) -> None:
+    """Run :func:`run_distributed` jobs in worker pools (``testing/pool.py``) unless a test
+    asks for processes of its own; tests/conftest.py turns this on (``ZEROTRAIN_TEST_POOL=0``
+    turns it off)."""
+    global _use_pools
+    _use_pools = enabled
+
+
 @functools.cache
-def _context() -> ForkServerContext:
+def context() -> ForkServerContext:
+    """The forkserver every test rank starts from."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerotrain", __name__])
+    ctx.set_forkserver_preload([*_PRELOAD, __name__])
     return ctx
+
+
+def rank_environment(rank: int, world_size: int, port: int, comm_timeout_s: float) -> None:
+    """The environment torchrun would give ``rank``, on one thread of the CPU."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        ZEROTRAIN_DEVICE="cpu",
+        ZEROTRAIN_COMM_TIMEOUT=str(comm_timeout_s),
+    )
+    torch.set_num_threads(1)
 
 
 def _worker(
@@ -73,20 +112,9 @@ def _worker(
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    threading.Thread(target=_follow_launcher, args=(launcher,), daemon=True).start()
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        ZEROTRAIN_DEVICE="cpu",
-        ZEROTRAIN_COMM_TIMEOUT=str(comm_timeout_s),
-    )
+    threading.Thread(target=follow_launcher, args=(launcher,), daemon=True).start()
+    rank_environment(rank, world_size, port, comm_timeout_s)
     os.environ.update(env)
-    torch.set_num_threads(1)
     try:
         timeout = datetime.timedelta(seconds=comm_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -111,7 +139,7 @@ def _worker(
     os.close(log_fd)
 
 
-def _follow_launcher(launcher: int) -> None:
+def follow_launcher(launcher: int) -> None:
     """End this rank when the process that launched the job is gone (killed by a signal
     it could not handle): nobody will collect the result, and the ranks, children of the
     forkserver, would otherwise train on unseen (found: a killed benchmark's 4 ranks ran on
@@ -133,7 +161,7 @@ def _tail(path: str) -> str:
     return text[-_LOG_TAIL_CHARS:] if text.strip() else "<no output>"
 
 
-def _kill(procs: Sequence[BaseProcess], sweep: bool = True) -> None:
+def kill(procs: Sequence[BaseProcess], sweep: bool = True) -> None:
     """Stop the ranks, and (``sweep``) remove the shared-memory segments they created and
     could not (a rank ends with ``os._exit``, or was killed, before its finalizers run)."""
     started = [p for p in procs if p.pid is not None]
@@ -153,6 +181,7 @@ def run_distributed(
     timeout: float = 120.0,
     comm_timeout: float | None = None,
     env: dict[str, str] | None = None,
+    own_processes: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
@@ -160,6 +189,12 @@ def run_distributed(
     ``fn`` must be importable (a module-level function) and its arguments and result
     picklable. Inside ``fn`` the default process group (gloo) is initialised and ``RANK``,
     ``WORLD_SIZE`` and ``LOCAL_RANK`` are set, so ``zerotrain.initialize`` just works.
+
+    Under pytest (see :func:`use_pools`) the job runs in a worker pool of ``world_size``
+    ranks that outlives it (``testing/pool.py``): ``fn`` must leave the process as it found
+    it (the pool checks, and fails the test that did not). ``env`` is set for the job and
+    removed after it; anything that must hold before the process group exists needs
+    ``own_processes``.
 
     Args:
         fn: the function each rank runs.
@@ -169,16 +204,43 @@ def run_distributed(
             timeout and ``ZEROTRAIN_COMM_TIMEOUT``); default half of ``timeout``, so a
             stuck collective fails with zerotrain's own error before the job is killed.
         env: extra environment variables for the ranks.
+        own_processes: why this job needs ranks of its own, started for it and ended after
+            it (a process-wide setting read at start, a count of the process's threads or
+            files); None runs it in a pool where pools are on.
 
     Returns:
         The return values, indexed by rank.
 
     Raises:
         DistributedTestError: a rank raised (its traceback is in the message), died, or the
-            job did not finish within ``timeout``.
+            job did not finish within ``timeout``; in a pool also: a rank left something
+            behind that the next test would meet (each finding named).
     """
+    comm_timeout = comm_timeout if comm_timeout is not None else timeout / 2
+    env = env or {}
+    name = job_name(fn)
+    pooled = _use_pools and own_processes is None and env.get("ZEROTRAIN_DEVICE", "cpu") == "cpu"
+    JOBS["pooled" if pooled else "own processes", world_size] += 1
+    if pooled:
+        from zerotrain.testing.pool import POOLS
+
+        return POOLS.get(world_size, comm_timeout).run(fn, args, kwargs, env, timeout, name)
     with _job(fn, world_size, args, kwargs, timeout, comm_timeout, env) as (procs, results, logs):
-        return _collect(procs, results, logs, world_size, timeout, fn)
+        outcome = collect(procs, _reader(results), logs, world_size, timeout, name)
+        for p in procs:
+            p.join(timeout=10)
+        return outcome
+
+
+def job_name(fn: Callable[..., Any]) -> str:
+    """How a failure names the job: the running test (pytest's id) and the function."""
+    qualname = getattr(fn, "__qualname__", repr(fn))
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    return f"{test} ({qualname})" if test else qualname
+
+
+def _reader(results: Any) -> Callable[[float], tuple[int, bytes, float]]:
+    return lambda timeout: results.get(timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -188,15 +250,15 @@ def _job(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     timeout: float,
-    comm_timeout: float | None,
-    env: dict[str, str] | None,
+    comm_timeout: float,
+    env: dict[str, str],
     sweep: bool = True,
 ) -> Iterator[tuple[Sequence[BaseProcess], Any, list[str]]]:
     """Start ``world_size`` ranks running ``fn``; on exit kill what is left and remove the
     logs (and, with ``sweep``, the shared-memory segments of the ranks)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context()
+    ctx = context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     log_dir = tempfile.mkdtemp(prefix="zerotrain-dist-")
     logs = [os.path.join(log_dir, f"rank{r}.log") for r in range(world_size)]
@@ -213,8 +275,8 @@ def _job(
                 logs[r],
                 args,
                 kwargs,
-                env or {},
-                comm_timeout if comm_timeout is not None else timeout / 2,
+                env,
+                comm_timeout,
                 os.getpid(),
             ),
             daemon=True,
@@ -226,59 +288,70 @@ def _job(
             p.start()
         yield procs, results, logs
     finally:
-        _kill(procs, sweep=sweep)
+        kill(procs, sweep=sweep)
         del store
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+Receive = Callable[[float], tuple[int, bytes, float]]  # (rank, pickled outcome, time)
 
 
 def _failure(
     name: str,
     world_size: int,
     procs: Sequence[BaseProcess],
-    results: Any,
+    receive: Receive,
     logs: list[str],
     done: dict[int, Any],
-    errors: dict[int, str],
+    errors: dict[int, tuple[str, str]],
 ) -> DistributedTestError:
     """Build the error for a failed job. A rank's exception often makes the others fail in
     their next collective; wait a moment so the report can name the first cause (and the
     survivors' own reports, which name a dead peer after its heartbeat fell silent)."""
-    settle = time.monotonic() + 4.0
+    # A rank that raised is the first cause already; a rank that died is named best by
+    # the survivors, whose reports follow once the broken connections fail them.
+    settle = time.monotonic() + (1.0 if errors else 4.0)
     while time.monotonic() < settle:
+        if all(r in done or r in errors or not p.is_alive() for r, p in enumerate(procs)):
+            break  # every rank has reported or is gone: nothing more will come
         try:
-            rank, payload, _ = results.get(timeout=0.1)
+            rank, payload, _ = receive(0.1)
         except queue.Empty:
             continue
         status, value = pickle.loads(payload)
-        if status == "error":
-            errors[rank] = value
-        else:
+        if status == "ok":
             done[rank] = value
+        else:
+            errors[rank] = (status, value)
     dead = [
         r for r, p in enumerate(procs) if r not in errors and r not in done and not p.is_alive()
     ]
-    _kill(procs)
+    kill(procs)
     parts = [
         f"{name}: rank {r} exited with code {procs[r].exitcode} without reporting a result "
         f"(likely the first failure)\n--- rank {r} output ---\n{_tail(logs[r])}"
         for r in dead
     ]
-    parts += [
-        f"{name}: rank {r} of {world_size} raised:\n{tb}--- rank {r} output ---\n{_tail(logs[r])}"
-        for r, tb in errors.items()  # first reported first
-    ]
+    for r, (status, text) in errors.items():  # first reported first
+        what = "raised:\n" if status == "error" else "left behind for the next test:"
+        parts.append(
+            f"{name}: rank {r} of {world_size} {what}{text}\n--- rank {r} output ---\n"
+            f"{_tail(logs[r])}"
+        )
     return DistributedTestError("\n".join(parts))
 
 
-def _collect(
+def collect(
     procs: Sequence[BaseProcess],
-    results: Any,
+    receive: Receive,
     logs: list[str],
     world_size: int,
     timeout: float,
-    fn: Callable[..., Any],
+    name: str,
 ) -> list[Any]:
-    name = getattr(fn, "__qualname__", repr(fn))
+    """Every rank's result of the running job, in rank order; raises
+    :class:`DistributedTestError` (after killing the ranks) at the first rank that failed,
+    died or left something behind, or when ``timeout`` passes first."""
     done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     silent_since: dict[int, float] = {}
@@ -290,7 +363,7 @@ def _collect(
                 if procs[r].is_alive():
                     os.kill(procs[r].pid, signal.SIGUSR1)  # type: ignore[arg-type]
             time.sleep(1.0)
-            _kill(procs)
+            kill(procs)
             details = "\n".join(
                 f"--- rank {r} output (stacks at timeout) ---\n{_tail(logs[r])}" for r in stuck
             )
@@ -299,7 +372,7 @@ def _collect(
                 f"(hung in a collective or a loop?)\n{details}"
             )
         try:
-            rank, payload, _ = results.get(timeout=min(0.2, remaining))
+            rank, payload, _ = receive(min(0.2, remaining))
         except queue.Empty:
             now = time.monotonic()
             for r, p in enumerate(procs):
@@ -308,14 +381,12 @@ def _collect(
                 # Give a result that is still in the pipe a moment to arrive.
                 if now - silent_since.setdefault(r, now) > 2.0:
                     # The survivors' reports (naming the dead rank) follow within moments.
-                    raise _failure(name, world_size, procs, results, logs, done, {}) from None
+                    raise _failure(name, world_size, procs, receive, logs, done, {}) from None
             continue
         status, value = pickle.loads(payload)
-        if status == "error":
-            raise _failure(name, world_size, procs, results, logs, done, {rank: value})
+        if status != "ok":
+            raise _failure(name, world_size, procs, receive, logs, done, {rank: (status, value)})
         done[rank] = value
-    for p in procs:
-        p.join(timeout=10)
     return [done[r] for r in range(world_size)]
 
 
@@ -367,7 +438,9 @@ def run_to_the_end(
     Returns:
         A :class:`JobOutcome`.
     """
-    with _job(fn, world_size, args, kwargs, timeout, comm_timeout, env, sweep=False) as job:
+    comm_timeout = comm_timeout if comm_timeout is not None else timeout / 2
+    JOBS["own processes", world_size] += 1
+    with _job(fn, world_size, args, kwargs, timeout, comm_timeout, env or {}, sweep=False) as job:
         procs, results, logs = job
         outcomes = _await_all(procs, results, world_size, timeout)
         _await_exits(procs, outcomes, exit_grace)
@@ -377,7 +450,7 @@ def run_to_the_end(
         if hung:
             time.sleep(1.0)
         ranks = [dataclasses.replace(outcomes[r], output=_tail(logs[r])) for r in range(world_size)]
-        _kill(procs, sweep=False)
+        kill(procs, sweep=False)
         pids = {p.pid for p in procs if p.pid is not None}
         left = shm.segments_of(pids)
         shm.remove_segments_of(pids)

@@ -16,6 +16,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 __all__ = [
     "TreeSpec",
+    "active_mode_counts",
     "fused_adam_kernel",
     "in_backward",
     "preserve_version_counter",
@@ -31,6 +32,11 @@ def in_backward() -> bool:
     """Whether autograd is running a node now (a forward called inside backward is an
     activation-checkpointing recomputation)."""
     return torch._C._current_autograd_node() is not None
+
+
+def active_mode_counts() -> tuple[int, int]:
+    """How many torch function modes and dispatch modes are active now."""
+    return torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
