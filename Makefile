@@ -5,6 +5,8 @@ VENV ?= .venv
 # The CPU build of torch. On a machine without a local wheel, point pip at PyTorch's CPU
 # index to avoid the CUDA build: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
+# Extra pytest arguments, e.g. make test PYTEST_ARGS="-x tests/unit" (.ci/run adds --durations)
+PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.zerotrain-installed
 
@@ -27,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 format: $(STAMP)
 	$(BIN)/ruff format .
