@@ -22,7 +22,7 @@ from zerotrain.testing.dist import run_distributed
 
 MODEL = GPTConfig(block_size=128, n_layer=4, n_head=8, n_embd=256)
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
-SPEC = RunSpec(micro_batch=8, grad_accum=1, clip=1.0, steps=30, model=MODEL)
+SPEC = RunSpec(micro_batch=8, grad_accum=1, clip=1.0, steps=15, model=MODEL)
 WORLD = 2
 TOLERANCE = 2e-4
 
@@ -86,7 +86,7 @@ def ddp() -> dict[str, list[float]]:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_losses_follow_ddp_with_clipping_active(ddp: dict[str, list[float]], stage: int) -> None:
     ours = run_distributed(_train_zerotrain, WORLD, stage, timeout=280)[0]
-    # Clipping must be active for the comparison to test the norm (13 of the 30 steps).
+    # Clipping must be active for the comparison to test the norm (at least 5 of 15 steps).
     assert sum(n > SPEC.clip for n in ddp["norms"]) >= SPEC.steps // 3, ddp["norms"]
     gaps = [abs(a - b) for a, b in zip(ours["losses"], ddp["losses"], strict=True)]
     worst = max(range(len(gaps)), key=gaps.__getitem__)

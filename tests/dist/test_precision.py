@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerotrain
+from tests.helpers.pairwise import pairwise
 from tests.helpers.training import (
     RunSpec,
     global_batches,
@@ -270,9 +271,11 @@ def _memory(stage: int, accum: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("accum", ["bf16", "fp32"])
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("world_size", [2, 4])
+# Every pair of (stage, world size, accumulation dtype) once, 8 of the 16 jobs: each factor
+# moves one term of the formula (docs/testing.md).
+@pytest.mark.parametrize(
+    ("stage", "world_size", "accum"), pairwise(STAGES, [2, 4], ["bf16", "fp32"])
+)
 def test_bf16_memory_per_rank_follows_the_zero_paper(stage, world_size, accum):
     """2 bytes of parameters + G bytes of gradients + 12 bytes of fp32 master and Adam
     moments per parameter, each divided by N where the stage partitions it (the paper keeps

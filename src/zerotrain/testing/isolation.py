@@ -191,11 +191,11 @@ class ProcessSnapshot:
         that holds a file may still be reachable from another thread's frame."""
         deadline = time.monotonic() + _SETTLE_S
         while True:
-            gc.collect()
             found = self._thread_findings() + self._file_findings()
             if not found or time.monotonic() > deadline:
                 return found
             time.sleep(0.05)
+            gc.collect()
 
     def _environ_findings(self, env: Mapping[str, str]) -> list[str]:
         expected = {**self.environ, **env}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import faulthandler
+import gc
 import os
 import pickle
 import shutil
@@ -91,6 +92,11 @@ def _pool_worker(
         return
     # After the first report: the queue's feeder thread is the pool's, not a test's.
     snapshot = ProcessSnapshot.take(comm_timeout_s)
+    # What exists now (torch, zerotrain, the warm-up's garbage collected) lives as long as
+    # the worker: frozen, the collector skips it, and the check's collection after each
+    # job takes milliseconds instead of 140 ms.
+    gc.collect()
+    gc.freeze()
     env: Mapping[str, str] = {}
     while (task := tasks.get()) is not None:
         step, job_id, payload, job_env = task
