@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from zerotrain.comm import shm
+from zerotrain.comm.liveness import process_state
+
 ROOT = Path(__file__).resolve().parents[2]
 CASES = "tests/dist/pool_cases.py"
 
@@ -98,3 +101,8 @@ def test_each_broken_test_is_named_and_the_next_one_passes(tmp_path: Path) -> No
         assert pids[follower], f"{follower} never ran a rank"
         assert not pids[follower] & pids[culprit], f"{follower} ran in {culprit}'s broken pool"
     assert pids["clean_one"] == pids["clean_two"], "two clean tests did not share their pool"
+    # Nothing is left once the session is over: no rank of any pool, no segment of theirs.
+    every = set().union(*pids.values())
+    alive = [pid for pid in every if process_state(pid) not in ("exited",)]
+    assert not alive, f"pool ranks still there after the session: {alive}"
+    assert shm.segments_of(every) == []
