@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerotrain
-from tests.helpers.tensor import tiny_llama
+from tests.helpers.tensor import tiny_llama, tiny_mistral
 from zerotrain.testing.dist import run_distributed
 
 STEPS, BATCH, LENGTH, VOCAB = 10, 4, 11, 64
@@ -36,8 +36,13 @@ def _batches() -> torch.Tensor:
     )
 
 
-def _reference() -> dict:
-    model = tiny_llama(kv_heads=2)
+def _model(kind: str) -> torch.nn.Module:
+    # Mistral's window (4) is shorter than the sequence (11): its mask is banded.
+    return tiny_llama(kv_heads=2) if kind == "llama" else tiny_mistral(sliding_window=4)
+
+
+def _reference(kind: str = "llama") -> dict:
+    model = _model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = []
     for ids in _batches():
@@ -53,8 +58,8 @@ def _reference() -> dict:
     }
 
 
-def _ulysses(degree: int) -> dict:
-    model = tiny_llama(kv_heads=2)
+def _ulysses(degree: int, kind: str = "llama") -> dict:
+    model = _model(kind)
     engine, _, _, _ = zerotrain.initialize(
         model=model, config={**CONFIG, "sequence_parallel_size": degree}
     )
@@ -81,3 +86,19 @@ def test_ulysses_llama_gqa_matches_one_process(degree):
             torch.testing.assert_close(
                 got["params"][name], value, rtol=0, atol=TOL, msg=f"rank {rank}: {name}"
             )
+
+
+def test_a_sliding_window_is_kept_under_ulysses():
+    """Review 2026-11-28, T2: the registered attention ran plain causal attention, so
+    Mistral's window silently widened to the whole sequence. Now it is rebuilt for the
+    gathered sequence: degree 2 equals one process, which builds the window itself."""
+    reference = _reference("mistral")
+    for got in run_distributed(_ulysses, 2, 2, "mistral", timeout=300):
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=TOL
+        )
+        # The banded mask takes SDPA off its causal path, which sums in another order, and
+        # Adam amplifies the rounding over 10 steps (measured: 1.5e-5 on 1 of 2048 values;
+        # the lost window moved the losses by orders of magnitude more).
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=5 * TOL)

@@ -127,6 +127,25 @@ def tiny_llama(kv_heads: int) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).float()
 
 
+def tiny_mistral(sliding_window: int) -> torch.nn.Module:
+    """A tiny ``transformers`` Mistral (4 heads, 2 key/value heads) attending to the last
+    ``sliding_window`` positions only, seeded."""
+    import transformers
+
+    cfg = transformers.MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        sliding_window=sliding_window,
+    )
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(cfg).float()
+
+
 def build_gpt(cfg: GPTConfig) -> GPT:
     torch.manual_seed(0)
     return GPT(cfg)

@@ -27,25 +27,29 @@ def _check_partition(partition: Sequence[Sequence[int]], world_size: int) -> Non
         )
 
 
-def split(world: Communicator, partition: Sequence[Sequence[int]]) -> Communicator:
+def split(
+    world: Communicator, partition: Sequence[Sequence[int]], *, dedicated: bool = False
+) -> Communicator:
     """This rank's communicator among the groups of ``partition`` (collective over ``world``,
     which must be the default group: every rank calls it with the same partition).
 
     Args:
         world: the communicator of the whole job; the new ones take its timeout and device.
         partition: groups of global ranks; every rank in exactly one.
+        dedicated: a process group of its own even when the partition is one group of
+            every rank (point-to-point traffic that must not meet anyone else's messages).
 
     Returns:
         The communicator of the group holding this rank (``world`` itself when the partition
-        is one group of every rank; a :class:`LocalCommunicator`, without a process group,
-        when every group is one rank). Its ranks are positions in that group, in the order
-        the group lists them.
+        is one group of every rank and not ``dedicated``; a :class:`LocalCommunicator`,
+        without a process group, when every group is one rank). Its ranks are positions in
+        that group, in the order the group lists them.
 
     Raises:
         ValueError: ``partition`` does not hold every rank exactly once.
     """
     _check_partition(partition, world.world_size)
-    if len(partition) == 1:
+    if len(partition) == 1 and not dedicated:
         return world
     if all(len(group) == 1 for group in partition):
         return LocalCommunicator(world.device, world.timeout)

@@ -193,7 +193,7 @@ class PipelineEngine(Engine):
                         codes[m] = messages.signature(messages.as_tensors(x, where))
                 if self.is_last_stage():
                     labels = [b[1] for b in batches]
-        except (StopIteration, ValueError, TypeError) as exc:
+        except Exception as exc:  # any failure to read: every stage stops together
             error = exc
             codes[count + self.stage_id] = _RAN_OUT if isinstance(exc, StopIteration) else 1
         if self.num_stages > 1:
@@ -278,6 +278,7 @@ class PipelineEngine(Engine):
             return_logits, compute_loss, reduce_output, bcast_loss: only DeepSpeed's
                 defaults are supported (False, True, "avg", True); others raise.
         """
+        self._refuse_after_failure()
         self._states.require(FORWARD, "eval_batch()")
         given = {
             "return_logits": (return_logits, False),
@@ -297,7 +298,13 @@ class PipelineEngine(Engine):
         self.module.eval()
         try:
             inputs, labels, signatures = self._micro_batches(data_iter, count)
-            losses = self.executor.run(inputs, labels, signatures, backward=None, schedule=schedule)
+            try:
+                losses = self.executor.run(
+                    inputs, labels, signatures, backward=None, schedule=schedule
+                )
+            except BaseException as exc:  # its messages are in as unknown a state as training's
+                self._fail(exc)
+                raise
         finally:
             self.module.train(was_training)
         return self._batch_loss(losses)

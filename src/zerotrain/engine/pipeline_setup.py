@@ -174,6 +174,12 @@ def pipeline_schedule(
             f"PipelineModule was built with virtual_stages={module.virtual_stages}; set both alike"
         )
     interleaved = policy.schedule == "interleaved"
+    if module.virtual_stages > 1 and module.num_stages < 2:
+        raise ValueError(
+            f"pipeline.virtual_stages={module.virtual_stages} with one pipeline stage: "
+            "interleaving places the chunks of the model round a loop of at least 2 ranks; "
+            "use pipeline.stages >= 2, or virtual_stages=1 (the whole model on this rank)"
+        )
     if interleaved != (module.virtual_stages > 1):
         raise ValueError(
             f"pipeline.schedule={policy.schedule!r} with virtual_stages="

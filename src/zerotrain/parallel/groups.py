@@ -8,7 +8,8 @@ implicitly.
 
 Groups with the same members share one communicator (with sequence 1, ``zero`` and
 ``data`` are the same object; with one axis spanning the job, that axis is ``world``), so
-the plain data-parallel job still runs on exactly one communicator.
+the plain data-parallel job still runs on exactly one communicator. The pipeline is the
+exception: its point-to-point messages always get a group of their own.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ class ProcessGroups:
                 f"{world.world_size}; the sizes of pipe x data x sequence x tensor must "
                 "multiply to the number of processes"
             )
-        made: dict[tuple[tuple[int, ...], ...], Communicator] = {}
+        made: dict[tuple[tuple[tuple[int, ...], ...], bool], Communicator] = {}
 
-        def along(*axes: str) -> Communicator:
+        def along(*axes: str, dedicated: bool = False) -> Communicator:
             partition = tuple(tuple(g) for g in topology.all_groups(axes))
-            if partition not in made:
-                made[partition] = split(world, partition)
-            return made[partition]
+            key = (partition, dedicated)
+            if key not in made:
+                made[key] = split(world, partition, dedicated=dedicated)
+            return made[key]
 
         # Created in a fixed order on every rank: group creation is collective.
         return cls(
@@ -71,7 +73,10 @@ class ProcessGroups:
             world=world,
             zero=along(*ZERO_AXES),
             data=along(DATA),
-            pipe=along(PIPE),
+            # The pipeline's messages get a group of their own even when it spans the job:
+            # on the world's group they could meet a script's point-to-point calls (same
+            # tags), or a failed earlier engine's messages still in flight.
+            pipe=along(PIPE, dedicated=topology.pipe > 1),
             tensor=along(TENSOR),
             sequence=along(SEQUENCE),
         )

@@ -77,6 +77,8 @@ class StageBoundaries:
         # Descriptions on their way (their receive's handle and buffer).
         self._pending: dict[tuple[int, int], tuple[Handle, torch.Tensor]] = {}
         self._in_flight: list[tuple[Handle, list[torch.Tensor]]] = []
+        # Messages of failed steps, never waited for: their buffers must outlive them.
+        self._abandoned: list[tuple[Handle, list[torch.Tensor]]] = []
 
     def begin_step(self, signatures: Sequence[int]) -> None:
         """The input fingerprints of this step's micro-batches (the same on every rank)."""
@@ -87,6 +89,14 @@ class StageBoundaries:
         in_flight, self._in_flight = self._in_flight, []
         for handle, _ in in_flight:
             handle.wait()
+
+    def abandon_step(self) -> None:
+        """The step failed: keep the sends still in flight (and their tensors, which the
+        backend may still read) without waiting for them, and forget descriptions on their
+        way; the engine refuses further steps."""
+        self._abandoned += self._in_flight
+        self._in_flight = []
+        self._pending.clear()
 
     def _hold(self, handle: Handle, tensors: list[torch.Tensor]) -> None:
         """Keep ``tensors`` until their send completed; finished sends release theirs now,
@@ -108,13 +118,19 @@ class StageBoundaries:
         metas = messages.describe(tensors)
         if key not in self._described:
             where = f"{self._layer_name(stage)} output"
-            description = messages.encode(metas, where)
-            self._described.add(key)
+            description, problem = messages.encode_or_refuse(metas, where)
             self._known[key] = metas
             tag = messages.tag(Channel.DESCRIPTION, stage, m)
             label = f"stage {stage} description"
-            ops.append(P2POp.send(description, peer, purpose="stage_shapes", label=label, tag=tag))
-            held = [description, *tensors]
+            send = P2POp.send(description, peer, purpose="stage_shapes", label=label, tag=tag)
+            # Posted before the tensors' own checks: a boundary the tags cannot carry is
+            # then refused by the receiver too, from the description, instead of leaving it
+            # waiting for one.
+            self._hold(self.comm.post([send]), [description])
+            if problem is not None:
+                raise problem
+            self._described.add(key)
+            held = tensors
         elif metas != self._known[key]:
             raise RuntimeError(
                 f"{self._layer_name(stage)} output shapes {metas} differ from "
@@ -149,7 +165,8 @@ class StageBoundaries:
         def then() -> Received:
             if key in self._pending:  # the first of the micro-batches waiting for it
                 handle.wait()
-                self._known[key] = messages.decode(self._pending.pop(key)[1])
+                where = f"{self._layer_name(sender)} output"
+                self._known[key] = messages.decode(self._pending.pop(key)[1], where)
             return self._receive_described(stage, m)
 
         return Received(handle, [], then)

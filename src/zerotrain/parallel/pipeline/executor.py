@@ -142,8 +142,12 @@ class PipelineExecutor:
                 if action.kind in _COMPUTE:
                     self._post_next_receives(step, actions, i, posted)
                 self._run_action(step, action, backward, reduce_grad)
-        finally:
-            self.boundaries.finish_step()
+        except BaseException:
+            # No waiting on the way out: a send whose receiver failed would wait out the
+            # timeout, and its error would replace this one.
+            self.boundaries.abandon_step()
+            raise
+        self.boundaries.finish_step()
         return step.losses
 
     def _post_next_receives(
@@ -230,7 +234,11 @@ class PipelineExecutor:
         start = time.monotonic()
         chunk = stage // self.schedule.num_ranks
         with torch.set_grad_enabled(step.train):
-            output = self.module(messages.from_tensors(inputs), chunk=chunk)
+            # Received activations are leaves that require grad (their .grad is what goes
+            # back): a stage whose first layer works in place (ReLU(inplace=True), as in
+            # DeepSpeed's AlexNet example) gets copies, as DeepSpeed's engine gives it.
+            given = [t.clone() if t.requires_grad else t for t in inputs]
+            output = self.module(messages.from_tensors(given), chunk=chunk)
             if stage == self.last_stage:
                 loss = self._loss(step, output, m)
                 step.losses[m] = loss.detach()

@@ -90,9 +90,38 @@ def encode(metas: Sequence[TensorMeta], where: str) -> torch.Tensor:
     return message
 
 
-def decode(message: torch.Tensor) -> tuple[TensorMeta, ...]:
-    """The inverse of :func:`encode`."""
+def encode_or_refuse(
+    metas: Sequence[TensorMeta], where: str
+) -> tuple[torch.Tensor, Exception | None]:
+    """A description message for ``metas``, and the error :func:`encode` raised if it could
+    not describe them: then the message says so (a negative count), so that the receiver,
+    which waits for it, refuses too instead of waiting out the timeout."""
+    try:
+        return encode(metas, where), None
+    except (TypeError, ValueError) as error:
+        refusal = torch.zeros(DESCRIPTION_NUMEL, dtype=torch.int64)
+        refusal[0] = -1 - _REFUSALS.index(type(error))
+        return refusal, error
+
+
+_REFUSALS: tuple[type[Exception], ...] = (TypeError, ValueError)
+
+
+def decode(message: torch.Tensor, where: str = "a stage boundary") -> tuple[TensorMeta, ...]:
+    """The inverse of :func:`encode`.
+
+    Raises:
+        TypeError / ValueError: the sender could not describe its tensors (its error says
+            why; this one names the boundary).
+    """
     values = message.tolist()
+    if values[0] < 0:
+        kind = _REFUSALS[-1 - values[0]]
+        raise kind(
+            f"{where}: the sending stage could not describe its output to this stage (a "
+            "dtype a boundary cannot carry, or more tensors and dimensions than a "
+            "description holds); its own error says which"
+        )
     count, k, metas = values[0], 1, []
     for _ in range(count):
         dtype, ndim = DTYPES[values[k]], values[k + 1]

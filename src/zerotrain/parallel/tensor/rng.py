@@ -45,10 +45,13 @@ class TensorParallelRNG:
 
     def __init__(self, comm: Communicator, seed: int) -> None:
         self.device = comm.device
-        saved = self._get()
-        torch.manual_seed(seed + MEGATRON_OFFSET + comm.rank)
-        self._state = self._get()
-        self._set(saved)
+        # A private generator of the device's kind makes the first state: torch.manual_seed
+        # would reseed every generator, the CPU's included, so on a GPU each tensor rank's
+        # CPU stream (a collator's masking, an unseeded shuffle) would differ across a group
+        # that must see the same inputs.
+        own = torch.Generator(device=self.device)
+        own.manual_seed(seed + MEGATRON_OFFSET + comm.rank)
+        self._state = own.get_state()
         register_random_stream(self)
 
     def get_state(self) -> torch.Tensor:
