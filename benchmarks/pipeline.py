@@ -28,7 +28,7 @@ resident set):
   first pack of any tensor on it until the last packed reference is released; parameter
   storages are not counted);
 - ``saved + p2p``: the same peak with the tensors handed to point-to-point ops (zerotrain's
-  ``Communicator.post``, PyTorch's ``schedules._batch_p2p``) counted as well, each storage
+  ``Communicator.post_in_order``, PyTorch's ``schedules._batch_p2p``) counted as well, each storage
   from its post until the Python tensor object posted is freed (a storage counts once,
   whether saved, posted or both);
 - ``RSS growth``: peak resident memory during the measured steps above the resident memory
@@ -37,7 +37,7 @@ resident set):
   torch); ``model states``: params + grads + optimizer states (``memory_breakdown()``).
 
 The last part times same-host point-to-point transports: a ping-pong of one message between
-the 2 ranks through ``Communicator.post`` (tagged isend/irecv over gloo TCP, what the
+the 2 ranks through ``Communicator.post_in_order`` (tagged isend/irecv over gloo TCP, what the
 pipeline executor uses), ``Communicator.exchange`` (the pairwise shared-memory channel) and
 ``Communicator.exchange`` without shared memory (gloo plus the header check).
 
@@ -283,14 +283,14 @@ def build_zt_1f1b(spec: ModelSpec, micro_batches: int) -> System:
 
     def track_p2p(tracker: LiveStorages) -> None:
         comm = engine.executor.comm
-        post = comm.post
+        post = comm.post_in_order
 
         def counting_post(ops: Any) -> Any:
             for op in ops:
                 tracker.hold_while_alive(op.tensor)
             return post(ops)
 
-        comm.post = counting_post  # this process's communicator instance only
+        comm.post_in_order = counting_post  # this process's communicator instance only
 
     return System(step, _zt_state(engine), list(engine.module.parameters()), track_p2p)
 
@@ -457,7 +457,7 @@ def _p2p_job(sizes: list[int], repeats: int) -> dict[tuple[int, str], float]:
     if not shared.shared_memory_peers:
         raise RuntimeError("no shared-memory channel to the peer")
     issuers: dict[str, Callable[[list[Any]], None]] = {
-        P2P_COLUMNS[0]: lambda ops: shared.post(ops).wait(),
+        P2P_COLUMNS[0]: lambda ops: [h.wait() for h in shared.post_in_order(ops)],
         P2P_COLUMNS[1]: lambda ops: shared.exchange(ops).wait(),
         P2P_COLUMNS[2]: lambda ops: gloo.exchange(ops).wait(),
     }

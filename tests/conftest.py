@@ -22,6 +22,10 @@ _STARTED = time.monotonic()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Pipeline messages match by posting order under one tag, as NCCL matches them, with a
+    # header check on each: a mis-ordered plan fails here instead of on a GPU (issue 41).
+    # ZEROTRAIN_P2P_MATCH=tag runs the suite as users' gloo jobs run by default.
+    os.environ.setdefault("ZEROTRAIN_P2P_MATCH", "order")
     dist_testing.use_pools(os.environ.get("ZEROTRAIN_TEST_POOL", "1") != "0")
 
 

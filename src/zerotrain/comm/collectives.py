@@ -604,24 +604,30 @@ class Communicator:
         """
         return self._p2p.exchange(ops, async_op=async_op)
 
-    def post(self, ops: Sequence[P2POp]) -> Handle:
-        """Issue tagged point-to-point sends and receives and return at once: a send never
-        waits for its receiver, and a message is matched by (peer, ``P2POp.tag``), so the
-        order in which two ranks post their messages to each other does not matter.
+    def post_in_order(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Issue point-to-point sends and receives as one batch, in order, and return at
+        once with a handle per op: the pipeline's one entry point.
 
-        For pipeline schedules, whose message order is checked ahead of time on the
-        instruction lists (``parallel/pipeline/simulate.py``): there is no header check
-        and no shared-memory channel (both rendezvous with the peer, which would make a
-        send wait for its receive), so messages travel over the backend (gloo: TCP, also
-        on one host). ``wait()`` a receive's handle before reading it, a send's before
-        changing or freeing its tensor. Counted in ``stats`` like :meth:`exchange`.
+        Between two ranks messages match in the order each posts them, as NCCL matches
+        them whatever the tags (NCCL: one ``batch_isend_irecv``, one group). Callers post
+        in mirrored orders (``parallel/pipeline/plan.py`` derives them from the schedule).
+        Gloo matches by ``P2POp.tag`` by default; ``ZEROTRAIN_P2P_MATCH=order`` makes it
+        match by order under one tag, as NCCL does, and with verification on (the default)
+        sends a header before each message that the receiver checks before the data
+        arrives, so a mis-ordered message fails there, naming both ranks and both
+        messages (the receive then waits at posting for its header: a checking mode, for
+        CPU runs and tests). No shared-memory channel (it would make a send wait for its
+        receive); gloo carries the messages over TCP, also on one host. ``wait()`` a
+        receive's handle before reading it, a send's before changing or freeing its
+        tensor. Counted in ``stats`` like :meth:`exchange`.
 
         Raises:
-            ValueError: as for :meth:`exchange`.
-            CollectiveError: the backend refused an op; on ``wait()``, a peer that never
-                posted the matching op within the timeout.
+            ValueError: as for :meth:`exchange`, or a bad ``ZEROTRAIN_P2P_MATCH``.
+            CollectiveError: the backend refused an op, or (order mode) a message that is
+                not the one expected; on ``wait()``, a peer that never posted the matching
+                op within the timeout.
         """
-        return self._p2p.post(ops)
+        return self._p2p.post_in_order(ops)
 
     def _global(self, rank: int) -> int:
         """The default-group rank of ``rank`` in this communicator's group."""

@@ -164,9 +164,10 @@ class LocalCommunicator(Communicator):
             )
         return Handle(None, lambda: "empty exchange")
 
-    def post(self, ops: Sequence[P2POp]) -> Handle:
+    def post_in_order(self, ops: Sequence[P2POp]) -> list[Handle]:
         """As :meth:`exchange`: nothing to post to in a group of one rank."""
-        return self.exchange(ops)
+        self.exchange(ops)
+        return []
 
     def barrier(self) -> None:
         """Nobody else to wait for."""

@@ -32,6 +32,8 @@ copies on the calling thread: a batch with shared-memory messages returns once t
 from __future__ import annotations
 
 import datetime
+import functools
+import os
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ from zerotrain.comm.stats import CommStats
 from zerotrain.utils.invariant import invariant
 
 HEADER_BYTES = 512
+ORDER_TAG = 0  # the one tag of messages matched by order (their group carries nothing else)
 _MAGIC = b"ZTP1"  # a header, version 1 (anything else received is not a header)
 _TEXT_START = 8  # magic (4 bytes), CRC-32 of the whole text (4 bytes), then the text
 
@@ -67,9 +70,9 @@ class P2POp:
         peer: the other rank, as a rank in the communicator's group.
         purpose: why it moves (``"activations"``, ``"gradients"``, ...), as for collectives.
         label: what it belongs to (e.g. ``"microbatch 3"``), for errors and the comms logger.
-        tag: matches a send with a receive in :meth:`PeerToPeer.post` (messages between
-            one pair with different tags may be received in any order); ignored by
-            :meth:`PeerToPeer.exchange`, which matches in issue order.
+        tag: matches a send with a receive over gloo in :meth:`PeerToPeer.post_in_order`
+            (``ZEROTRAIN_P2P_MATCH=tag``, the default); ignored where messages match by
+            order (NCCL, ``ZEROTRAIN_P2P_MATCH=order``, and :meth:`PeerToPeer.exchange`).
     """
 
     kind: Literal["send", "recv"]
@@ -99,6 +102,20 @@ class P2POp:
         where = self.tensor.device.type
         on = f" on {where}" if where != "cpu" else ""  # both sides must route alike
         return f"{self.purpose}{about} ({describe_tensor(self.tensor)}{on})"
+
+
+def match_mode() -> str:
+    """How gloo matches the messages of :meth:`PeerToPeer.post_in_order`:
+    ``ZEROTRAIN_P2P_MATCH=tag`` (default: by their tags) or ``order`` (by posting order,
+    under one tag, as NCCL does; with header checks). NCCL always matches by order.
+
+    Raises:
+        ValueError: another value.
+    """
+    mode = os.environ.get("ZEROTRAIN_P2P_MATCH", "tag").strip().lower() or "tag"
+    if mode not in ("tag", "order"):
+        raise ValueError(f"ZEROTRAIN_P2P_MATCH must be 'tag' or 'order', got {mode!r}")
+    return mode
 
 
 def check_ops(ops: Sequence[P2POp], rank: int, world_size: int) -> None:
@@ -277,25 +294,91 @@ class PeerToPeer:
             handle.wait()
         return handle
 
-    def post(self, ops: Sequence[P2POp]) -> Handle:
-        """Issue ``ops`` without waiting for anything; see :meth:`Communicator.post`."""
+    def post_in_order(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Issue ``ops`` in order without waiting; see :meth:`Communicator.post_in_order`."""
         check_ops(ops, self.rank, self.world_size)
         ops = list(ops)
-
-        def describe() -> str:
-            return self._describe(ops)
-
-        works: list[dist.Work] = []
         for op in ops:
             self.stats.record(op.kind, op.purpose, op.tensor.numel() * op.tensor.element_size())
-            fn = dist.isend if op.kind == "send" else dist.irecv
-            try:
-                work = fn(op.tensor, self._to_global(op.peer), self.group, op.tag)
-            except Exception as exc:
-                raise CollectiveError(failure_message(describe(), exc, P2P_HINT)) from exc
-            invariant(work is not None, "isend/irecv returned no work for a group member")
-            works.append(work)  # type: ignore[arg-type]
-        return Handle(works, describe, None, self.timeout, hint=P2P_HINT)
+        if not ops:
+            return []
+        backend = str(dist.get_backend(self.group))
+        try:
+            if backend == "nccl":  # one group: NCCL matches by order, and ignores tags
+                works = dist.batch_isend_irecv([self._torch_op(op) for op in ops])
+                per_op = [[work] for work in works]
+            elif match_mode() == "tag":
+                per_op = [[self._issue(op, op.tag)] for op in ops]
+            else:
+                per_op = self._issue_by_order(ops)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            raise CollectiveError(failure_message(self._describe(ops), exc, P2P_HINT)) from exc
+        return [
+            Handle(
+                works, functools.partial(self._describe, [op]), None, self.timeout, hint=P2P_HINT
+            )
+            for op, works in zip(ops, per_op, strict=True)
+        ]
+
+    def _issue(self, op: P2POp, tag: int) -> dist.Work:
+        fn = dist.isend if op.kind == "send" else dist.irecv
+        work = fn(op.tensor, self._to_global(op.peer), self.group, tag)
+        invariant(work is not None, "isend/irecv returned no work for a group member")
+        return work  # type: ignore[return-value]
+
+    def _issue_by_order(self, ops: Sequence[P2POp]) -> list[list[dist.Work]]:
+        """Gloo matching by order, as NCCL does: every message under one tag. With
+        verification, each message is preceded by a header naming it (purpose, label,
+        shape, dtype), and a receive checks the header before its data is received: a
+        mis-ordered message fails on the receiving rank with both sides' descriptions
+        instead of landing in the wrong buffer. Sends go first, so that posting never keeps
+        a peer waiting."""
+        per_op: dict[int, list[dist.Work]] = {}
+        order = sorted(range(len(ops)), key=lambda i: ops[i].kind != "send")
+        for i in order:
+            op = ops[i]
+            works = []
+            if op.kind == "send":
+                if self.verify:
+                    works.append(self._issue_header(op))
+                works.append(self._issue(op, ORDER_TAG))
+            else:
+                if self.verify:
+                    self._check_order_header(op, ops)
+                works.append(self._issue(op, ORDER_TAG))
+            per_op[i] = works
+        return [per_op[i] for i in range(len(ops))]
+
+    def _issue_header(self, op: P2POp) -> dist.Work:
+        header = encode_header(op.entry())
+        return self._issue(P2POp.send(header, op.peer, purpose="header"), ORDER_TAG)
+
+    def _check_order_header(self, op: P2POp, ops: Sequence[P2POp]) -> None:
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        work = self._issue(P2POp.recv(header, op.peer, purpose="header"), ORDER_TAG)
+        me, peer = self._name(self.rank), self._name(op.peer)
+        try:
+            with liveness.waiting():
+                work.wait(self.timeout) if self.timeout is not None else work.wait()
+        except Exception as exc:
+            seconds = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
+            raise CollectiveError(
+                f"{me}: {peer} did not post the next message of this pair{seconds} (it "
+                f"exited, is stuck, or took another code path); this rank waits for "
+                f"{op.entry()} ({exc})"
+            ) from exc
+        problem = mismatch_message(me, peer, op.entry(), header)
+        if problem is not None:
+            raise CollectiveError(
+                problem.replace(
+                    "the point-to-point calls of this rank and",
+                    "the messages of this rank and",
+                )
+                + " (pipeline messages match by order: the two ranks posted them in "
+                "different orders)"
+            )
 
     def _header_work(self, ops: Sequence[P2POp], peer: int) -> PairWork:
         """The header swap with ``peer`` through its channel, raising on a mismatch."""

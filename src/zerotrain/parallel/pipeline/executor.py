@@ -1,12 +1,13 @@
 """Running one rank's instruction list: forwards, backwards and the messages between stages.
 
-The schedule (``builders.py``) says what this rank does and in which order; the executor
-does it. Compute actions call the stage module (``F``) and autograd (``B``); communication
-actions post tagged, non-blocking messages to the neighbouring stages' ranks through the pipe
-communicator (``Communicator.post``): a receive is waited for by the action that consumes
-it, a send is held until it completed. Because a send never waits for its
-receiver and messages match by tag, any schedule the simulator accepts runs without
-deadlock, whatever order two ranks post their messages to each other in.
+The schedule (``builders.py``) says what this rank does and in which order; the plan
+(``plan.py``) says when, among those actions, each message is posted, so that every pair of
+ranks posts the messages it exchanges in mirrored orders, the order NCCL matches by. The
+executor walks the plan: compute actions call the stage module (``F``) and autograd
+(``B``); each exchange is posted through the pipe communicator's ordered entry point
+(``boundary.py``); a receive is waited for by the action that consumes it, a send is held
+until it completed. ``nccl_rules.py`` replays what this posts and waits for under NCCL's
+rules for every schedule the builders make.
 
 What crosses the boundaries, and how shapes are agreed without a message per micro-batch,
 is ``boundary.py``.
@@ -14,6 +15,7 @@ is ``boundary.py``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +27,9 @@ from zerotrain.comm.collectives import Communicator
 from zerotrain.parallel.pipeline import messages
 from zerotrain.parallel.pipeline.boundary import Received, StageBoundaries
 from zerotrain.parallel.pipeline.messages import Channel
+from zerotrain.parallel.pipeline.plan import Exchange, Message, build_plan
 from zerotrain.parallel.pipeline.schedule import Action, ActionType, PipelineSchedule
 from zerotrain.utils.invariant import InvariantError
-
-FORWARD_ONLY = (ActionType.FORWARD, ActionType.SEND_F, ActionType.RECV_F)
-_COMPUTE = (ActionType.FORWARD, ActionType.BACKWARD)
 
 
 class StageModule(Protocol):
@@ -68,7 +68,7 @@ class _Step:
     inputs: Sequence[Any] | None
     labels: Sequence[Any] | None
     train: bool
-    received: dict[tuple[Channel, int, int], Received] = field(default_factory=dict)
+    received: dict[Message, Received] = field(default_factory=dict)
     # Per (stage, micro-batch): the stage's inputs (leaves) and outputs, until its backward.
     stage_inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     stage_outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
@@ -108,7 +108,7 @@ class PipelineExecutor:
         # from when its inputs (or gradients) had arrived to when it was done.
         self.record_timeline = False
         self.timeline: list[tuple[Action, float, float]] = []
-        self.boundaries = StageBoundaries(comm, schedule.stage_to_rank, self._layer_name)
+        self.boundaries = StageBoundaries(comm, self._layer_name)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -129,19 +129,22 @@ class PipelineExecutor:
         number of micro-batches, for evaluation). Returns the losses of the last stage by
         micro-batch (empty on other ranks), detached."""
         step = _Step(signatures, inputs, labels, train=backward is not None)
-        actions = (schedule or self.schedule).actions[self.rank]
-        if backward is None:
-            actions = tuple(a for a in actions if a.kind in FORWARD_ONLY)
+        plan = build_plan(schedule or self.schedule, forward_only=backward is None)
         self.timeline = []
         self.boundaries.begin_step(signatures)
-        posted: set[int] = set()  # receives posted ahead of their place
         try:
-            for i, action in enumerate(actions):
-                if i in posted:
-                    continue
-                if action.kind in _COMPUTE:
-                    self._post_next_receives(step, actions, i, posted)
-                self._run_action(step, action, backward, reduce_grad)
+            for item in plan.items[self.rank]:
+                if isinstance(item, Exchange):
+                    step.received.update(
+                        self.boundaries.post(
+                            item,
+                            functools.partial(self._sent, step),
+                            functools.partial(self._gradient_buffers, step),
+                        )
+                    )
+                    self._release_sent(step, item)
+                else:
+                    self._run_action(step, item, backward, reduce_grad)
         except BaseException:
             # No waiting on the way out: a send whose receiver failed would wait out the
             # timeout, and its error would replace this one.
@@ -149,27 +152,6 @@ class PipelineExecutor:
             raise
         self.boundaries.finish_step()
         return step.losses
-
-    def _post_next_receives(
-        self, step: _Step, actions: Sequence[Action], i: int, posted: set[int]
-    ) -> None:
-        """Before compute action ``i``, post the receives the next compute action waits for,
-        so their data moves while this one computes instead of after it (a receive of
-        output gradients needs those outputs: one for the outputs action ``i`` is about to
-        produce stays where it is)."""
-        j = i + 1
-        while j < len(actions) and actions[j].kind not in _COMPUTE:
-            j += 1
-        for k in range(i + 1, j):
-            action = actions[k]
-            if action.kind is ActionType.RECV_F:
-                self._receive_activations(step, action)
-                posted.add(k)
-            elif action.kind is ActionType.RECV_B:
-                key = (action.stage, _micro(action))
-                if key in step.stage_outputs:
-                    self._receive_gradients(step, action)
-                    posted.add(k)
 
     def _run_action(
         self,
@@ -185,14 +167,6 @@ class PipelineExecutor:
             if backward is None:
                 raise InvariantError("a backward action in a forward-only step")
             self._backward(step, action, backward)
-        elif kind is ActionType.SEND_F:
-            self._send_activations(step, action)
-        elif kind is ActionType.RECV_F:
-            self._receive_activations(step, action)
-        elif kind is ActionType.SEND_B:
-            self._send_gradients(step, action)
-        elif kind is ActionType.RECV_B:
-            self._receive_gradients(step, action)
         elif kind is ActionType.REDUCE_GRAD:
             if reduce_grad is not None:
                 reduce_grad(action)
@@ -214,7 +188,7 @@ class PipelineExecutor:
                 raise InvariantError("the first stage ran without its micro-batches")
             tensors = messages.as_tensors(step.inputs[m], f"micro-batch {m}'s inputs")
             return [t.to(self._device) for t in tensors]
-        received = step.received.pop((Channel.ACTIVATIONS, stage, m), None)
+        received = step.received.pop(Message(Channel.ACTIVATIONS, stage - 1, m), None)
         if received is None:
             raise InvariantError(f"stage {stage} ran F{m} before receiving its activations")
         tensors = received.wait()
@@ -284,7 +258,7 @@ class PipelineExecutor:
             start = time.monotonic()
             backward(outputs, None, action)
         else:
-            received = step.received.pop((Channel.GRADIENTS, stage, m), None)
+            received = step.received.pop(Message(Channel.GRADIENTS, stage, m), None)
             if received is None:
                 raise InvariantError(f"stage {stage} ran B{m} before receiving its gradients")
             grads = iter(received.wait())
@@ -308,27 +282,33 @@ class PipelineExecutor:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _send_activations(self, step: _Step, action: Action) -> None:
-        stage, m = action.stage, _micro(action)
-        outputs = step.stage_outputs[(stage, m)]
-        if not step.train:
-            del step.stage_outputs[(stage, m)]
-        self.boundaries.send_activations(stage, m, outputs)
+    def _sent(self, step: _Step, message: Message) -> list[torch.Tensor]:
+        """What this rank sends as ``message``: a stage's outputs, or the gradients of its
+        floating-point inputs."""
+        if message.channel is Channel.ACTIVATIONS:
+            return step.stage_outputs[(message.stage, message.micro)]
+        return step.input_grads[(message.stage + 1, message.micro)]
 
-    def _receive_activations(self, step: _Step, action: Action) -> None:
-        stage, m = action.stage, _micro(action)
-        received = self.boundaries.receive_activations(stage, m)
-        step.received[(Channel.ACTIVATIONS, stage, m)] = received
+    def _release_sent(self, step: _Step, exchange: Exchange) -> None:
+        """Forget what ``exchange`` sent and nothing else needs (the boundary holds the
+        tensors until their sends complete)."""
+        for transfer in exchange.transfers:
+            if transfer.kind != "send":
+                continue
+            stage, m = transfer.message.stage, transfer.message.micro
+            if transfer.message.channel is Channel.GRADIENTS:
+                del step.input_grads[(stage + 1, m)]
+            elif not step.train:
+                del step.stage_outputs[(stage, m)]  # kept for the backward when training
 
-    def _send_gradients(self, step: _Step, action: Action) -> None:
-        stage, m = action.stage, _micro(action)
-        self.boundaries.send_gradients(stage, m, step.input_grads.pop((stage, m)))
-
-    def _receive_gradients(self, step: _Step, action: Action) -> None:
-        stage, m = action.stage, _micro(action)
-        outputs = step.stage_outputs[(stage, m)]
-        received = self.boundaries.receive_gradients(stage, m, outputs)
-        step.received[(Channel.GRADIENTS, stage, m)] = received
+    def _gradient_buffers(self, step: _Step, message: Message) -> list[torch.Tensor]:
+        """Buffers for the gradients of stage ``message.stage``'s floating-point outputs."""
+        outputs = step.stage_outputs[(message.stage, message.micro)]
+        return [
+            torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t in outputs
+            if t.dtype.is_floating_point
+        ]
 
 
 def _micro(action: Action) -> int:

@@ -111,6 +111,19 @@ def simulate(
     )
 
 
+def start_times(schedule: PipelineSchedule) -> dict[Action, float]:
+    """The start of every action under the default costs, without validating the schedule
+    as a training step (a forward-only evaluation step has no backward actions).
+
+    Raises:
+        ScheduleDeadlockError: the ranks block each other.
+    """
+    where = {
+        a: (rank, pos) for rank, row in enumerate(schedule.actions) for pos, a in enumerate(row)
+    }
+    return _run(schedule, where, DEFAULT_COSTS)[0]
+
+
 def dependencies(action: Action, where: Mapping[Action, Location]) -> tuple[Action, ...]:
     """The actions that must finish before ``action`` can start (besides the previous action
     on its rank), given the schedule's actions ``where``."""
