@@ -140,10 +140,11 @@ class StageBoundaries:
 
     def _op(self, transfer: Transfer, tensor: torch.Tensor, slot: int) -> P2POp:
         message = transfer.message
+        # The stage in the label tells apart the chunks an interleaved pair exchanges.
         if message.channel is Channel.ACTIVATIONS:
-            purpose, label = "activations", f"F{message.micro}"
+            purpose, label = "activations", f"stage {message.stage} F{message.micro}"
         else:
-            purpose, label = "activation_gradients", f"B{message.micro}"
+            purpose, label = "activation_gradients", f"stage {message.stage} B{message.micro}"
         tag = messages.tag(message.channel, message.stage, message.micro, slot)
         make = P2POp.send if transfer.kind == "send" else P2POp.recv
         return make(tensor.contiguous(), transfer.peer, purpose=purpose, label=label, tag=tag)

@@ -102,7 +102,7 @@ def _inputs_of(
     for item in items:
         if isinstance(item, Exchange):
             for t in item.transfers:
-                if t.kind == "recv" and consumer(t.message) == action:
+                if t.kind == "recv" and consumer(t.message, plan.split_backward) == action:
                     found.append((t.peer, t.message))
     return found
 

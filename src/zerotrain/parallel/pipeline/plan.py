@@ -36,6 +36,7 @@ from zerotrain.parallel.pipeline.simulate import simulate, start_times
 from zerotrain.utils.invariant import InvariantError
 
 _F, _B = ActionType.FORWARD, ActionType.BACKWARD
+_I, _W = ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT
 _SEND = {ActionType.SEND_F: Channel.ACTIVATIONS, ActionType.SEND_B: Channel.GRADIENTS}
 # The other side of a transfer: activations go to the next stage, gradients to the previous.
 _PEER_STAGE = {
@@ -88,6 +89,7 @@ class CommPlan:
 
     schedule: PipelineSchedule
     items: tuple[tuple[PlanItem, ...], ...]
+    split_backward: bool = False  # gradients are consumed by I actions, not B
 
     def exchanges(self, rank: int) -> list[Exchange]:
         return [item for item in self.items[rank] if isinstance(item, Exchange)]
@@ -109,27 +111,26 @@ def message_of(action: Action) -> Message:
     raise InvariantError(f"action {action} moves no message")
 
 
-def consumer(message: Message) -> Action:
-    """The compute action that waits for ``message``."""
+def consumer(message: Message, split_backward: bool = False) -> Action:
+    """The compute action that waits for ``message``: a forward for activations; for
+    gradients the backward, or its input half (I) where the schedule splits it."""
     if message.channel is Channel.ACTIVATIONS:
         return Action(message.stage + 1, _F, message.micro)
-    return Action(message.stage, _B, message.micro)
+    return Action(message.stage, _I if split_backward else _B, message.micro)
 
 
 @functools.lru_cache(maxsize=32)
 def build_plan(schedule: PipelineSchedule, forward_only: bool = False) -> CommPlan:
     """The posting order of ``schedule`` (lowered: with transfers), or of its forward
-    actions only (an evaluation step).
+    actions only (an evaluation step). Schedules that split backward (I/W) are planned
+    too, their gradients consumed by I, though the executor runs F and B only.
 
     Raises:
-        ValueError: the schedule splits backward (I/W), which the executor does not run,
-            or is invalid (``simulate`` says why).
+        ValueError: the schedule is invalid (``simulate`` says why).
     """
-    keep = {_F} if forward_only else {_F, _B, ActionType.REDUCE_GRAD}
+    keep = {_F} if forward_only else {_F, _B, _I, _W, ActionType.REDUCE_GRAD}
     rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
-    if any(a.kind in (ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT) for row in
-           schedule.actions for a in row):  # fmt: skip
-        raise ValueError(f"schedule {schedule.name!r} splits backward; plans cover F and B")
+    split = any(a.kind is _I for row in rows for a in row)
     compute = PipelineSchedule(
         schedule.name, schedule.num_ranks, schedule.num_microbatches,
         schedule.virtual_stages, rows,
@@ -148,9 +149,9 @@ def build_plan(schedule: PipelineSchedule, forward_only: bool = False) -> CommPl
             peer = schedule.stage_to_rank(action.stage + _PEER_STAGE[action.kind])
             kind: Literal["send", "recv"] = "send" if action.kind in _SEND else "recv"
             transfer = Transfer(kind, peer, message)
-            transfers.setdefault(start[consumer(message)], []).append(transfer)
+            transfers.setdefault(start[consumer(message, split)], []).append(transfer)
         items.append(_interleave(rows[rank], start, transfers))
-    return CommPlan(schedule, tuple(items))
+    return CommPlan(schedule, tuple(items), split)
 
 
 def _interleave(
