@@ -306,7 +306,11 @@ class PeerToPeer:
         try:
             if backend == "nccl":  # one group: NCCL matches by order, and ignores tags
                 works = dist.batch_isend_irecv([self._torch_op(op) for op in ops])
-                per_op = [[work] for work in works]
+                # A coalescing backend returns one work for the whole group (its ops
+                # complete together); one without coalescing, a work per op.
+                per_op = (
+                    [[work] for work in works] if len(works) == len(ops) else [works] * len(ops)
+                )
             elif match_mode() == "tag":
                 per_op = [[self._issue(op, op.tag)] for op in ops]
             else:

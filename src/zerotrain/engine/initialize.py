@@ -344,7 +344,7 @@ def initialize(
     policies = to_policies(cfg, groups.data.world_size)
     pipe_module = model if isinstance(model, PipelineModule) else None
     # A pipeline's schedule and checks come first: a refusal must not leave hooks behind.
-    schedule = prepare_pipeline(pipe_module, cfg, policies, env.device) if pipe_module else None
+    schedule = prepare_pipeline(pipe_module, cfg, policies) if pipe_module else None
     telemetry = telemetry_policy(cfg)
     for member in groups.distinct():
         member.configure_logger(telemetry.comms)

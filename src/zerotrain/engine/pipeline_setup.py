@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from zerotrain.comm.agreement import failed_ranks
 from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import PipelinePolicy, Policies
@@ -97,7 +95,7 @@ def check_built_as_configured(
 
 
 def prepare_pipeline(
-    module: PipelineModule, cfg: ZeroTrainConfig, policies: Policies, device: torch.device
+    module: PipelineModule, cfg: ZeroTrainConfig, policies: Policies
 ) -> PipelineSchedule:
     """Everything about a pipeline that can be checked before the model is touched, and
     its schedule (identical on every rank, so every rank raises alike).
@@ -107,14 +105,6 @@ def prepare_pipeline(
     """
     explicit = set(cfg.pipeline.model_fields_set) if cfg.pipeline is not None else set()
     check_built_as_configured(policies.pipeline, explicit, module)
-    if device.type != "cpu":
-        # NCCL ignores p2p tags, so messages between two ranks would match in posting
-        # order, which the executor does not keep (it posts receives ahead); not validated
-        # on GPUs yet.
-        raise NotImplementedError(
-            f"pipeline parallelism on {device.type}: validated on CPU ranks (gloo) only so "
-            "far; NCCL matches point-to-point messages by order, not tag"
-        )
     offload = cfg.zero_optimization.offload_optimizer.device
     if offload == "nvme" and any(module.tied_keys_of_stage(s) for s in range(module.num_stages)):
         raise NotImplementedError(
