@@ -406,3 +406,24 @@ def test_a_launched_process_without_its_group_is_told_to_initialize_first(monkey
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"zerotrain.init_distributed\(\) first"):
         PipelineModule([LayerSpec(nn.Linear, 2, 2), LayerSpec(nn.Linear, 2, 2)], num_stages=2)
+
+
+# DeepSpeedExamples' AlexNet (training/pipeline_parallelism): trainable parameters per
+# layer entry: conv, ReLU, pool, conv, ReLU, pool, conv, ReLU, conv, ReLU, conv, ReLU, pool,
+# flatten, dropout, linear, ReLU, dropout, linear, ReLU, linear.
+_ALEXNET = [
+    23296, 0, 0, 307392, 0, 0, 663936, 0, 884992, 0, 590080, 0, 0, 0, 0,
+    37752832, 0, 0, 16781312, 0, 40970,
+]  # fmt: skip
+
+
+def test_weightless_layers_end_the_stage_before_as_in_deepspeed() -> None:
+    """DeepSpeed's partition_balanced puts the ReLU, pooling and dropout after a stage's
+    last weighted layer at the end of that stage; zerotrain put the boundary before them,
+    so AlexNet's stage 1 began with ReLU(inplace=True) on a received tensor."""
+    assert partition_balanced(_ALEXNET, 2) == [0, 18, 21]  # DeepSpeed's parts at -p 2
+    assert partition_balanced(_ALEXNET, 3) == [0, 15, 18, 21]  # and at -p 3
+    # Every part still starts with a weighted layer when it has one, the bottleneck is
+    # unchanged, and a part without weight keeps its items spread by count.
+    assert partition_balanced([5, 0, 0, 5, 0], 2) == [0, 3, 5]
+    assert partition_balanced([5, 0, 0, 0], 2) == [0, 2, 4]

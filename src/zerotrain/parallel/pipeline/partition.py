@@ -63,7 +63,24 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
         raise ValueError(f"partition weights must be finite and >= 0, got {list(weights)}")
     prefix = [0.0, *itertools.accumulate(w)]
     bound = _min_bottleneck(prefix, num_parts)
-    return _balanced_cut(prefix, num_parts, bound)
+    return _weightless_to_the_left(w, _balanced_cut(prefix, num_parts, bound))
+
+
+def _weightless_to_the_left(weights: Sequence[float], parts: list[int]) -> list[int]:
+    """Move each boundary past the weightless items that start its part, so they end the
+    part before (as DeepSpeed's ``partition_balanced`` places them): a part then starts
+    with a layer that has weight, not with the ReLU, pooling or dropout after the previous
+    stage's last one. The parts' weights are unchanged; a part without weight is left as it
+    is (its items are spread by count). Why:
+    a stage whose first layer works in place on what it received (DeepSpeed's AlexNet,
+    ``ReLU(inplace=True)``) is avoided, a pooling layer shrinks the message before it
+    crosses, and a model moved from DeepSpeed keeps its stages' layers."""
+    out = list(parts)
+    for p in range(1, len(out) - 1):
+        weighted = next((i for i in range(out[p], out[p + 1]) if weights[i] > 0), None)
+        if weighted is not None:
+            out[p] = weighted
+    return out
 
 
 def _run(prefix: list[float], i: int, j: int) -> float:
