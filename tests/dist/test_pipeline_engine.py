@@ -80,6 +80,39 @@ def test_gradient_traffic_per_step_follows_the_policy(zero_stage, schedule, poli
         assert got["shapes_sent"] == 0, (rank, got)  # same shapes as the first step
 
 
+def _launched_during_backward(zero_stage: int) -> dict:
+    run = PipeRun(2, "interleaved", 2, zero_stage=zero_stage, grad_reduce="per_microbatch",
+                  micro_batches=4)  # fmt: skip
+    engine, _, _, _ = zerotrain.initialize(model=pipeline_module(2, 2), config=run.config(2))
+    sync = engine.strategy.sync
+    launched: list[tuple[int, int]] = []  # per syncing backward: (launched by then, units)
+    remaining = sync.launch_remaining
+
+    def recording() -> None:
+        if sync._syncing:
+            launched.append((sync._next, len(sync.units)))
+        remaining()
+
+    sync.launch_remaining = recording  # this engine's synchronizer only
+    engine.train_batch(iter(micro_batches(engine, 0, 4)))
+    return {"launched": launched}
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_interleaved_per_microbatch_reductions_start_during_backward(zero_stage):
+    """P7 (review 2026-11-28): the syncing backward (the rank's lowest stage) waited on the
+    first unit in reduction order, a higher chunk's, which gets no gradient in that pass,
+    so no reduction started before the end of backward. Now the other chunk's units are
+    launched at once, and this chunk's as its gradients complete. (Stage 3 launches a
+    unit when every outstanding forward pass of it has run backward, which in a pipeline
+    is the step's last micro-batch: no overlap there yet, with or without this.)"""
+    for rank, got in enumerate(run_distributed(_launched_during_backward, 4, zero_stage)):
+        # Stage 2 reduces once per micro-batch; stage 1 keeps whole gradients, once a step.
+        assert len(got["launched"]) == {1: 1, 2: 4}[zero_stage], (rank, got)
+        for before_end, units in got["launched"]:
+            assert before_end > units // 2, (rank, got)  # was 0 in every pass
+
+
 def _changing_shapes() -> dict:
     run = PipeRun(2, "1f1b", zero_stage=2, micro_batches=4)
     module = pipeline_module(2)

@@ -82,6 +82,25 @@ class PipelineEngine(Engine):
         for group in self.ties:
             if not group.owner:
                 self.strategy.exclude_from_norm(self.strategy.units_under(group.prefix))
+        self._elsewhere = self._parameters_of_other_chunks()
+
+    def _parameters_of_other_chunks(self) -> dict[int, list[torch.Tensor]]:
+        """Per stage of this rank: the parameters only its other chunks use. A backward of
+        one chunk reaches none of them, so under ``per_microbatch`` its reductions need not
+        wait for them: without this, the syncing backward (the rank's lowest stage) stalled
+        on the first unit in reduction order, a higher chunk's, and every reduction waited
+        for the end of backward (review 2026-11-28, P7)."""
+        module = self.module
+        if module.virtual_stages == 1:
+            return {}
+        used = [module.chunk_parameters(k) for k in range(module.virtual_stages)]
+        out = {}
+        for k, stage in enumerate(module.local_chunks()):
+            mine = {id(p) for p in used[k]}
+            out[stage] = [
+                p for j, params in enumerate(used) if j != k for p in params if id(p) not in mine
+            ]
+        return out
 
     # -- DeepSpeed's pipeline queries ---------------------------------------------------------
 
@@ -371,6 +390,8 @@ class PipelineEngine(Engine):
         strategy = self.strategy
         strategy.set_requires_gradient_sync(sync)
         strategy.set_is_last_backward(final)
+        if sync and action.stage in self._elsewhere:
+            strategy.expect_no_gradient(self._elsewhere[action.stage])
         if grads is None:
             roots = [self._scaled_loss(roots[0])]
 

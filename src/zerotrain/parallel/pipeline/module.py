@@ -307,6 +307,11 @@ class PipelineModule(nn.Module):
         """Global chunk ids on this rank; ``forward(x, chunk=k)`` runs the k-th."""
         return self.stage_chunks(self._stage)
 
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters local chunk ``chunk`` (``0 .. virtual_stages - 1``) uses, tied
+        modules included."""
+        return self._group_parameters(list(self.chunk_layers(self.local_chunks()[chunk])))
+
     def describe_layer(self, idx: int) -> str:
         """``"layer 5 (GPTBlock)"``: how messages name global layer ``idx``."""
         return f"layer {idx} ({self._entries[idx].name})"
