@@ -82,25 +82,7 @@ class PipelineEngine(Engine):
         for group in self.ties:
             if not group.owner:
                 self.strategy.exclude_from_norm(self.strategy.units_under(group.prefix))
-        self._elsewhere = self._parameters_of_other_chunks()
-
-    def _parameters_of_other_chunks(self) -> dict[int, list[torch.Tensor]]:
-        """Per stage of this rank: the parameters only its other chunks use. A backward of
-        one chunk reaches none of them, so under ``per_microbatch`` its reductions need not
-        wait for them: without this, the syncing backward (the rank's lowest stage) stalled
-        on the first unit in reduction order, a higher chunk's, and every reduction waited
-        for the end of backward (review 2026-11-28, P7)."""
-        module = self.module
-        if module.virtual_stages == 1:
-            return {}
-        used = [module.chunk_parameters(k) for k in range(module.virtual_stages)]
-        out = {}
-        for k, stage in enumerate(module.local_chunks()):
-            mine = {id(p) for p in used[k]}
-            out[stage] = [
-                p for j, params in enumerate(used) if j != k for p in params if id(p) not in mine
-            ]
-        return out
+        self._elsewhere = _parameters_of_other_chunks(self.module)
 
     # -- DeepSpeed's pipeline queries ---------------------------------------------------------
 
@@ -427,3 +409,21 @@ def _repeating(loader: Iterable[Any]) -> Iterator[Any]:
     """``loader`` epoch after epoch."""
     while True:
         yield from loader
+
+
+def _parameters_of_other_chunks(module: PipelineModule) -> dict[int, list[torch.Tensor]]:
+    """Per stage of this rank: the parameters only its other chunks use. A backward of one
+    chunk reaches none of them, so under ``per_microbatch`` its reductions need not wait for
+    them: without this, the syncing backward (the rank's lowest stage) stalled on the first
+    unit in reduction order, a higher chunk's, and every reduction waited for the end of
+    backward (review 2026-11-28, P7)."""
+    if module.virtual_stages == 1:
+        return {}
+    used = [module.chunk_parameters(k) for k in range(module.virtual_stages)]
+    out: dict[int, list[torch.Tensor]] = {}
+    for k, stage in enumerate(module.local_chunks()):
+        mine = {id(p) for p in used[k]}
+        out[stage] = [
+            p for j, params in enumerate(used) if j != k for p in params if id(p) not in mine
+        ]
+    return out
