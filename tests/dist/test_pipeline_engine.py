@@ -113,6 +113,40 @@ def test_interleaved_per_microbatch_reductions_start_during_backward(zero_stage)
             assert before_end > units // 2, (rank, got)  # was 0 in every pass
 
 
+def _norm_when_read(action: str) -> dict:
+    run = PipeRun(2, "1f1b", zero_stage=1, micro_batches=4)
+    config = run.config(1)
+    config.update(gradient_clipping=0.0, steps_per_print=3)
+    config["non_finite_gradients"] = {"action": action}
+    engine, _, _, _ = zerotrain.initialize(model=pipeline_module(2), config=config)
+    computed, norms, losses = [], [], []
+    grad_norm = engine.strategy.grad_norm
+
+    def counting():
+        computed.append(engine.global_steps + 1)
+        return grad_norm()
+
+    engine.strategy.grad_norm = counting  # this engine's strategy only
+    for step in range(4):
+        losses.append(float(engine.train_batch(iter(micro_batches(engine, step, 4)))))
+        norms.append(engine.get_global_grad_norm())
+    return {"computed": computed, "norms": norms, "losses": losses}
+
+
+def test_the_gradient_norm_is_computed_only_when_something_reads_it():
+    """No clipping, non-finite gradients ignored, no monitor: the norm (a pass over the
+    gradients and, in a pipeline, an all-reduce that makes every stage wait for the
+    slowest) is computed only on the steps_per_print steps, and training is unchanged."""
+    skipping = run_distributed(_norm_when_read, 2, "ignore")
+    checking = run_distributed(_norm_when_read, 2, "skip")
+    for lean, full in zip(skipping, checking, strict=True):
+        assert lean["computed"] == [3], lean
+        assert [n is None for n in lean["norms"]] == [True, True, False, True], lean
+        assert full["computed"] == [1, 2, 3, 4], full
+        assert lean["losses"] == full["losses"]  # bit-identical
+        assert lean["norms"][2] == full["norms"][2]
+
+
 def _changing_shapes() -> dict:
     run = PipeRun(2, "1f1b", zero_stage=2, micro_batches=4)
     module = pipeline_module(2)

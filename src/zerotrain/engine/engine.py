@@ -432,13 +432,28 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
 
     def _update(self) -> None:
         """Clip, step and schedule on the reduced gradients, or skip on an overflow."""
+        policy = self.policy
+        checked = self.precision.check_overflow or policy.non_finite_action != "ignore"
+        if not (checked or policy.clip_norm > 0 or self.loss_scaler is not None) and (
+            not self.telemetry.reports_grad_norm(self.global_steps + 1, policy.steps_per_print)
+        ):
+            # Nothing reads the norm this step: no pass over the gradients, and no
+            # all-reduce (in a pipeline, one that makes every stage wait for the slowest).
+            # DeepSpeed computes it every step; get_global_grad_norm() says None instead.
+            self._grad_norm = None
+            self._step_applied = True
+            self._step_lrs = self._current_lrs()
+            if self.optimizer is not None:
+                self.optimizer.overflow = False  # type: ignore[attr-defined]
+            self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            return
         norm = self.strategy.grad_norm()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # Checking converts the norm to a Python bool: one device sync per step, skipped only
         # with non_finite_gradients.action "ignore" (fp32/bf16). The norm is global, so
         # every rank reaches the same verdict.
-        policy = self.policy
-        checked = self.precision.check_overflow or policy.non_finite_action != "ignore"
         overflow = checked and not bool(torch.isfinite(norm))
         if self.loss_scaler is None:
             self._non_finite(overflow, norm)
@@ -553,7 +568,9 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        """Gradient norm (before clipping) at the last optimizer step."""
+        """Gradient norm (before clipping) at the last optimizer step; None when that step
+        had no reason to compute it (no clipping, non_finite_gradients.action "ignore",
+        no loss scaling, no monitor, not a steps_per_print step)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def train_batch_size(self) -> int:

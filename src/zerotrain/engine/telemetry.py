@@ -148,6 +148,11 @@ class Telemetry:
         if engine.global_steps % engine.policy.steps_per_print == 0:
             self.report(engine)
 
+    def reports_grad_norm(self, step: int, steps_per_print: int) -> bool:
+        """Whether optimizer step number ``step`` (1-based) writes the gradient norm: to a
+        monitor, or in the ``steps_per_print`` line. The same on every rank."""
+        return self.monitors.active or step % steps_per_print == 0
+
     def report(self, engine: Engine) -> None:
         """The periodic log line (every ``steps_per_print`` steps) and what goes with it."""
         engine.strategy.report_outside_changes()
