@@ -57,6 +57,8 @@ from zerotrain.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
 from zerotrain.optim.clip import clip_coefficient
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.sequence import shard_batch
+from zerotrain.parallel.sequence.attention import known_lengths
+from zerotrain.parallel.sequence.shard import batch_sequence_length
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
@@ -186,6 +188,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self._torch_style_loss: torch.Tensor | None = None
         self._no_sync = False  # inside engine.no_sync()
         self._grad_norm: torch.Tensor | None = None
+        self._sharded_length: int | None = None  # of the batch shard_sequence last cut
         # This rank's micro-batch losses since the last periodic report, as a running sum.
         self.loss_window = LossWindow()
         # Set by initialize under `zerotrain lr-find`: records each step, ends the sweep.
@@ -212,7 +215,18 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self._recover_torch_style_backward()
         self.telemetry.before_forward(self)
         autocast = self.precision.forward_context(self.env.device)  # torch_autocast
-        with self.telemetry.phase("forward"), self.activation_checkpointing.active(), autocast:
+        length, self._sharded_length = self._sharded_length, None
+        lengths = (
+            known_lengths(self.groups.sequence, length)
+            if length is not None and self.efficiency is None  # a curriculum recuts it
+            else contextlib.nullcontext()
+        )
+        with (
+            self.telemetry.phase("forward"),
+            self.activation_checkpointing.active(),
+            autocast,
+            lengths,
+        ):
             out = self.module(*args, **kwargs)
         if self.training and torch.is_grad_enabled():
             self._arm_torch_style_backward(out)
@@ -279,7 +293,11 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         mean); the batch unchanged without it, so one script runs at every degree."""
         if self.groups.sequence.world_size == 1:
             return dict(batch)
-        return shard_batch(batch, self.groups.sequence)
+        sharded = shard_batch(batch, self.groups.sequence)
+        # The next forward's attention takes every rank's slice length from this instead
+        # of all-gathering them in every layer (one collective and host sync each).
+        self._sharded_length = batch_sequence_length(batch)
+        return sharded
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-step whose ``step()`` updates the parameters: every

@@ -13,8 +13,11 @@ attention itself is computed.
 
 Sequences that do not divide by the degree: each rank may hold a different number of
 positions (``balanced_sizes``: the first ranks one more); they are exchanged as they are
-(the lengths are all-gathered first, one tiny collective per call), so nothing is padded
-and nothing needs masking. DeepSpeed pads to a multiple of the degree instead.
+(every rank's length is needed: inside ``known_lengths``, which the engine enters around a
+forward of a batch from ``engine.shard_sequence``, they are computed from the global
+length; elsewhere they are all-gathered, one tiny collective and a host sync per call), so
+nothing is padded and nothing needs masking. DeepSpeed pads to a multiple of the degree
+instead.
 
 Heads (``split_heads``): query heads that divide by the degree P are split evenly; ones
 that do not are split unevenly (the first ``h % P`` ranks one more), which DeepSpeed's
@@ -28,7 +31,9 @@ to one per query head, which costs more traffic but is always right.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,9 +97,46 @@ def split_heads(q_heads: int, kv_heads: int, degree: int, where: str = "") -> He
     return HeadSplit(query, list(query), q_heads // kv_heads)
 
 
+# (communicator, every rank's length) while a caller knows the sequence's global length.
+_KNOWN: contextvars.ContextVar[tuple[Communicator, tuple[int, ...]] | None] = (
+    contextvars.ContextVar("zerotrain_sequence_lengths", default=None)
+)
+
+
+@contextlib.contextmanager
+def known_lengths(comm: Communicator, total: int) -> Iterator[None]:
+    """Within the block, attention over ``comm`` takes every rank's slice length from the
+    global length ``total`` (``balanced_sizes``, as ``shard_batch`` cuts it) instead of
+    all-gathering them in every call: no collective and no host sync per layer. Every rank
+    of ``comm`` must enter it alike (the engine does, around a forward of a batch from
+    ``shard_sequence``); a slice of another length inside raises."""
+    token = _KNOWN.set((comm, tuple(balanced_sizes(total, comm.world_size))))
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
+
+
 def sequence_lengths(comm: Communicator, mine: int, device: torch.device) -> list[int]:
-    """Every rank's number of positions (one tiny all-gather), so that slices of different
-    lengths are exchanged as they are."""
+    """Every rank's number of positions, so that slices of different lengths are exchanged
+    as they are: from ``known_lengths`` when inside it, else one tiny all-gather.
+
+    Raises:
+        ValueError: inside ``known_lengths``, this rank's slice is not the length its
+            global length gives (the batch was cut another way, or a layer changed the
+            sequence's length).
+    """
+    known = _KNOWN.get()
+    if known is not None and known[0] is comm:
+        lengths = known[1]
+        if lengths[comm.rank] != mine:
+            raise ValueError(
+                f"sequence-parallel attention on rank {comm.rank} got a slice of {mine} "
+                f"positions, but the batch's sequence of {sum(lengths)} cut over "
+                f"{comm.world_size} ranks gives it {lengths[comm.rank]}: pass the model the "
+                "batch engine.shard_sequence returned, unchanged"
+            )
+        return list(lengths)
     local = torch.tensor([mine], dtype=torch.int64, device=device)
     every = torch.empty(comm.world_size, dtype=torch.int64, device=device)
     comm.all_gather_into(every, local, purpose="control")

@@ -99,6 +99,15 @@ def _runs_along(value: Any, seq_dim: int, length: int) -> bool:
     )
 
 
+def batch_sequence_length(batch: Mapping[str, Any], seq_dim: int = 1) -> int:
+    """The length of the whole sequences of ``batch`` (what ``shard_batch`` cuts).
+
+    Raises:
+        ValueError: no tensor to take it from.
+    """
+    return _sequence_length(batch, seq_dim)
+
+
 def _sequence_length(batch: Mapping[str, Any], seq_dim: int) -> int:
     for key in ("input_ids", *ALIGNED_TARGETS, "labels", "inputs_embeds", "idx"):
         value = batch.get(key)
