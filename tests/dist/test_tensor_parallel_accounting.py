@@ -32,7 +32,9 @@ all-reduce of S sends ``2S(t-1)/t`` per rank and a reduce-scatter and an all-gat
 ``S(t-1)/t`` each. ``payload_bytes`` doubles (2 calls of S instead of 1): it is not a volume.
 The LayerNorms and row biases, whole on every rank but fed a slice of the sequence, then
 need their gradients summed: 6 all-reduces of ``h`` per block backward
-(``sequence_parallel_gradients``).
+(``sequence_parallel_gradients``) from ``parallelize``'s hooks, measured here without an
+engine; the engine makes one per step instead
+(``test_tensor_parallel_parity.py``).
 
 Ulysses (``DistributedAttention``, degree P): q, k, v go in and the context comes back by 4
 all-to-alls per layer, each of this rank's ``b*s*h/P`` elements. The stats count the whole

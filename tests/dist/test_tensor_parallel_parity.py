@@ -47,8 +47,39 @@ def test_tensor_by_data_parallel_with_zero_matches_one_process(zero_stage):
     _check(TensorRun(tensor=2, data=2, zero_stage=zero_stage))
 
 
-def test_megatron_sequence_parallelism_matches_one_process():
-    _check(TensorRun(tensor=2, sequence_parallel=True))
+@pytest.mark.parametrize(
+    "run",
+    [
+        TensorRun(tensor=2, sequence_parallel=True),
+        TensorRun(tensor=2, data=2, zero_stage=2, sequence_parallel=True),
+        TensorRun(tensor=2, data=2, zero_stage=3, sequence_parallel=True),
+    ],
+    ids=["stage1", "dp2-stage2", "dp2-stage3"],
+)
+def test_megatron_sequence_parallelism_matches_one_process(run):
+    """The LayerNorms' and row biases' gradients are summed over the tensor group once per
+    step on the reduced (stage 2-3: sharded) gradients: still one process's numbers."""
+    _check(run)
+
+
+def _sequence_parallel_sums(zero_stage: int) -> dict:
+    run = TensorRun(tensor=2, data=2, zero_stage=zero_stage, sequence_parallel=True)
+    engine, _ = make_engine(run)
+    train_steps(engine, run, 0, 1)
+    engine.reset_comm_stats()
+    train_steps(engine, run, 1, 2)
+    sums = engine.comm_stats().get(op="all_reduce", purpose="sequence_parallel_gradients")
+    whole = [p for n, p in engine.module.named_parameters() if "ln" in n or n.endswith("proj.bias")]
+    return {"calls": sums.calls, "micro_steps": run.spec.grad_accum, "whole": len(whole)}
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_sequence_parallel_gradient_sums_are_one_all_reduce_per_step(zero_stage):
+    """T3 (review 2026-11-28): one blocking all-reduce per LayerNorm weight, bias and row
+    bias inside autograd, in every backward; now one per optimizer step."""
+    for rank, got in enumerate(run_distributed(_sequence_parallel_sums, 4, zero_stage)):
+        assert got["whole"] > 4, (rank, got)  # what the hooks summed one by one before
+        assert got["calls"] == 1, (rank, got)
 
 
 def test_dropout_outside_the_split_regions_matches_one_process():

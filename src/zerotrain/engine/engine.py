@@ -450,6 +450,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
 
     def _update(self) -> None:
         """Clip, step and schedule on the reduced gradients, or skip on an overflow."""
+        self.strategy.sum_group_gradients()  # sequence-parallel whole parameters, if any
         policy = self.policy
         checked = self.precision.check_overflow or policy.non_finite_action != "ignore"
         if not (checked or policy.clip_norm > 0 or self.loss_scaler is not None) and (

@@ -53,6 +53,10 @@ from zerotrain.engine.tensor_setup import split_model, tensor_plan
 from zerotrain.offload.manager import Offload
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.pipeline.module import PipelineModule
+from zerotrain.parallel.tensor.sequence_parallel import (
+    restore_gradient_sums,
+    take_over_gradient_sums,
+)
 from zerotrain.parallel.topology import Topology
 from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
@@ -455,6 +459,13 @@ def initialize(
         if tensor_whole is not None and groups.tensor.rank != 0:
             # Whole on every tensor rank, with the same gradients: the first rank counts them.
             strategy.count_once_elsewhere(tensor_whole)
+        # Sequence-parallel whole parameters: one coalesced sum per step on the reduced
+        # gradients instead of one all-reduce per parameter per backward. Not with
+        # gradients in swap files, nor with the 1-bit optimizers (their windows keep each
+        # rank's own gradients): their hooks stay.
+        streamed = offload is not None and offload.swap_grads
+        if not streamed and not (spec is not None and is_compressed(spec)):
+            take_over_sequence_parallel_sums(model, strategy)
     except BaseException:
         if offload is not None:
             offload.close()  # its swap files and allocator setting; no engine will
@@ -515,3 +526,16 @@ def initialize(
         batch.dp_world_size,
     )
     return engine, opt.optimizer, loader, scheduler
+
+
+def take_over_sequence_parallel_sums(model: nn.Module, strategy: ZeroStrategy) -> None:
+    """Move the per-parameter gradient sums ``parallelize`` hooked on sequence-parallel
+    LayerNorms and row biases to the strategy, which makes one all-reduce of all of them
+    per optimizer step (review 2026-11-28, T3). Collective over each tensor group."""
+    taken = take_over_gradient_sums(model.parameters())
+    try:
+        for comm, params in taken.items():
+            strategy.sum_over_group_each_step(params, comm)
+    except BaseException:
+        restore_gradient_sums(taken)
+        raise

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from zerotrain.comm.agreement import disagreements
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
 from zerotrain.optim.clip import norm_from_squares
@@ -186,6 +187,9 @@ class ZeroStrategy:
         # on every tensor-parallel rank, counted on the group's first rank only): the
         # ranges of its owned gradient slice this rank counts in the global norm.
         self._norm_ranges: dict[int, list[tuple[int, int]]] = {}
+        # Gradients summed over a group once per step (sequence-parallel LayerNorms and row
+        # biases over the tensor group): per group, (unit, start, end) of the owned slices.
+        self._group_sums: list[tuple[Communicator, list[tuple[int, int, int]]]] = []
         self._trainable_ids = torch.tensor(
             [
                 pid
@@ -459,6 +463,55 @@ class ZeroStrategy:
             if at < hi - lo:
                 counted.append((at, hi - lo))
             self._norm_ranges[k] = counted
+
+    def sum_over_group_each_step(self, params: Sequence[torch.Tensor], comm: Communicator) -> None:
+        """From now on, sum the reduced gradients of ``params`` over ``comm`` once per step
+        (:meth:`sum_group_gradients`): parameters whole on every rank of ``comm`` whose
+        gradients each rank computed from its own part of the data (Megatron's sequence
+        parallelism). Collective over ``comm``: its ranks must hold these parameters at
+        the same places of the same units, which is checked.
+
+        Raises:
+            ValueError: the ranks of ``comm`` lay these gradients out differently (the
+                message names the first differing pieces).
+            NotImplementedError: a unit's gradient is streamed from a swap file (NVMe).
+        """
+        ids = {id(p) for p in params}
+        ranges: list[tuple[int, int, int]] = []
+        names: list[tuple[str, str]] = []
+        for k, unit in enumerate(self.units):
+            lo, hi = unit.owned
+            for param, spec in zip(unit.buffer.params, unit.buffer.layout.params, strict=True):
+                a, b = max(lo, spec.start), min(hi, spec.end)
+                if id(param) in ids and a < b:
+                    if unit.grads.slot.streamed:
+                        raise NotImplementedError(
+                            f"{spec.fqn}: its gradient is kept in a swap file (NVMe offload), "
+                            "and summing it over the tensor group each step needs it in memory"
+                        )
+                    ranges.append((k, a - lo, b - lo))
+                    names.append((f"piece {len(names)}", f"{spec.fqn} unit {k} [{a}:{b}]"))
+        differ = disagreements(comm, names)
+        if differ:
+            raise ValueError(
+                "the tensor-parallel ranks lay out the gradients of their whole parameters "
+                "differently, so they cannot be summed slice by slice: " + "; ".join(differ)
+            )
+        if ranges:
+            self._group_sums.append((comm, ranges))
+
+    def sum_group_gradients(self) -> None:
+        """The sums of :meth:`sum_over_group_each_step`: one all-reduce per group of every
+        piece of this rank's reduced gradients it covers (call once per step, after the
+        reduction and before the norm)."""
+        if not self._group_sums:
+            return
+        grads = self.reduced_grads()
+        for comm, ranges in self._group_sums:
+            pieces = [grads[k][a:b] for k, a, b in ranges]
+            flat = torch.cat(pieces)
+            comm.all_reduce(flat, purpose="sequence_parallel_gradients")
+            torch._foreach_copy_(pieces, list(flat.split([p.numel() for p in pieces])))
 
     def units_under(self, prefix: str) -> list[int]:
         """Indices of the units whose parameters are all named under ``prefix``."""

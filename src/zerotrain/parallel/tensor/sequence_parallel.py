@@ -13,11 +13,16 @@ but each rank now computes their gradient from its own slice of the sequence onl
 those gradients are summed over the tensor group, each rank's copy steps differently and
 the replicas drift apart without any error. The same holds for a row-parallel layer's bias
 (whole on every rank, added after the reduce-scatter). :func:`sum_gradients_over_group`
-installs that sum on such parameters.
+installs that sum on such parameters: one all-reduce per parameter in every backward, from
+an autograd hook, which is what a plain PyTorch loop needs. The engine takes these sums
+over (:func:`take_over_gradient_sums`) and makes one all-reduce of all of them per
+optimizer step, on the reduced gradients (Megatron's ``finalize_model_grads``): the sum
+over the tensor group and the one over the data group commute.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +30,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm.collectives import Communicator
+
+# By id: the parameters whose gradients a hook sums (weakly: the entry goes with the
+# parameter), with their group and hook. Tensors compare by value, so no WeakKeyDictionary.
+_SUMMED: dict[int, tuple[weakref.ref[torch.Tensor], Communicator, RemovableHandle]] = {}
+
+
+def _summed(param: torch.Tensor) -> tuple[Communicator, RemovableHandle] | None:
+    found = _SUMMED.get(id(param))
+    if found is None or found[0]() is not param:
+        return None
+    return found[1], found[2]
 
 
 def sum_gradients_over_group(
@@ -45,7 +61,37 @@ def sum_gradients_over_group(
     seen: set[int] = set()
     hooks = []
     for param in params:
-        if param.requires_grad and id(param) not in seen:
+        if param.requires_grad and id(param) not in seen and _summed(param) is None:
             seen.add(id(param))
-            hooks.append(param.register_hook(summed))
+            hook = param.register_hook(summed)
+            key = id(param)
+            ref: weakref.ref[torch.Tensor] = weakref.ref(
+                param,
+                lambda _, key=key: _SUMMED.pop(key, None),  # type: ignore[misc]
+            )
+            _SUMMED[key] = (ref, comm, hook)
+            hooks.append(hook)
     return hooks
+
+
+def take_over_gradient_sums(
+    params: Iterable[torch.Tensor],
+) -> dict[Communicator, list[torch.Tensor]]:
+    """Remove the hooks :func:`sum_gradients_over_group` installed on any of ``params``,
+    and return those parameters by group: the caller now sums their gradients (the engine,
+    once per step)."""
+    out: dict[Communicator, list[torch.Tensor]] = {}
+    for param in params:
+        found = _summed(param)
+        if found is not None:
+            del _SUMMED[id(param)]
+            comm, hook = found
+            hook.remove()
+            out.setdefault(comm, []).append(param)
+    return out
+
+
+def restore_gradient_sums(taken: dict[Communicator, list[torch.Tensor]]) -> None:
+    """Install the hooks again (the engine could not take the sums over)."""
+    for comm, params in taken.items():
+        sum_gradients_over_group(params, comm)  # type: ignore[arg-type]
