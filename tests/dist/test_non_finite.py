@@ -124,3 +124,34 @@ def test_action_ignore_applies_the_update_as_before():
         assert r["error"] is None, r["error"]
         assert r["skipped"] == 0
         assert not torch.isfinite(r["snapshots"][2]).all()
+
+
+def _norms_with_a_monitor(path: str) -> list[bool]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+        "non_finite_gradients": {"action": "ignore"},
+        "steps_per_print": 1000,
+        "csv_monitor": {"enabled": True, "output_path": path, "job_name": "norms"},
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    reported = []
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+        engine.step()
+        reported.append(engine.get_global_grad_norm() is not None)
+    return reported
+
+
+def test_a_monitor_makes_every_rank_compute_the_norm(tmp_path):
+    """With action "ignore" and no clipping the norm is computed only when something reads
+    it; a monitor reads it every step, and is written by rank 0 only: deciding by "this
+    rank writes" made rank 0 all-reduce the norm alone while rank 1 went on to the step's
+    all-gather (found in review)."""
+    for rank, reported in enumerate(
+        run_distributed(_norms_with_a_monitor, 2, str(tmp_path), timeout=60, comm_timeout=15)
+    ):
+        assert reported == [True, True, True], rank

@@ -118,6 +118,10 @@ def _norm_when_read(action: str) -> dict:
     config = run.config(1)
     config.update(gradient_clipping=0.0, steps_per_print=3)
     config["non_finite_gradients"] = {"action": action}
+    return _train_counting_norms(config)
+
+
+def _train_counting_norms(config: dict) -> dict:
     engine, _, _, _ = zerotrain.initialize(model=pipeline_module(2), config=config)
     computed, norms, losses = [], [], []
     grad_norm = engine.strategy.grad_norm

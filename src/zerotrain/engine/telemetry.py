@@ -150,8 +150,9 @@ class Telemetry:
 
     def reports_grad_norm(self, step: int, steps_per_print: int) -> bool:
         """Whether optimizer step number ``step`` (1-based) writes the gradient norm: to a
-        monitor, or in the ``steps_per_print`` line. The same on every rank."""
-        return self.monitors.active or step % steps_per_print == 0
+        monitor, or in the ``steps_per_print`` line. The same on every rank (it decides a
+        collective): a monitor *configured*, not one active, which is rank 0 only."""
+        return self.monitors.configured or step % steps_per_print == 0
 
     def report(self, engine: Engine) -> None:
         """The periodic log line (every ``steps_per_print`` steps) and what goes with it."""
