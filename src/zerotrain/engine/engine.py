@@ -58,7 +58,7 @@ from zerotrain.optim.clip import clip_coefficient
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.sequence import shard_batch
 from zerotrain.parallel.sequence.attention import known_lengths
-from zerotrain.parallel.sequence.shard import batch_sequence_length
+from zerotrain.parallel.sequence.shard import ShardedBatches, batch_sequence_length
 from zerotrain.precision.casts import cast_floating, cast_the_rest
 from zerotrain.precision.loss_scaler import LossScaler
 from zerotrain.utils.logging import get_logger
@@ -188,7 +188,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self._torch_style_loss: torch.Tensor | None = None
         self._no_sync = False  # inside engine.no_sync()
         self._grad_norm: torch.Tensor | None = None
-        self._sharded_length: int | None = None  # of the batch shard_sequence last cut
+        self._sharded = ShardedBatches()  # what shard_sequence returned, and its length
         # This rank's micro-batch losses since the last periodic report, as a running sum.
         self.loss_window = LossWindow()
         # Set by initialize under `zerotrain lr-find`: records each step, ends the sweep.
@@ -207,6 +207,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         floating-point tensors among the inputs are cast to the compute dtype first (unless
         ``bf16.auto_cast`` / ``fp16.auto_cast`` is false)."""
         self._states.require(FORWARD, "engine(...)")
+        length = self._sharded.length_of((*args, *kwargs.values()))  # before any cast
         dtype = self.precision.compute
         if dtype is not None and self.precision.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), dtype)
@@ -215,10 +216,12 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self._recover_torch_style_backward()
         self.telemetry.before_forward(self)
         autocast = self.precision.forward_context(self.env.device)  # torch_autocast
-        length, self._sharded_length = self._sharded_length, None
+        sequence = self.groups.sequence
         lengths = (
-            known_lengths(self.groups.sequence, length)
-            if length is not None and self.efficiency is None  # a curriculum recuts it
+            known_lengths(sequence, length)
+            # Uneven slices keep the all-gather (see known_lengths); a curriculum or
+            # random-LTD recuts the sequence after sharding.
+            if length is not None and length % sequence.world_size == 0 and self.efficiency is None
             else contextlib.nullcontext()
         )
         with (
@@ -294,9 +297,12 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         if self.groups.sequence.world_size == 1:
             return dict(batch)
         sharded = shard_batch(batch, self.groups.sequence)
-        # The next forward's attention takes every rank's slice length from this instead
-        # of all-gathering them in every layer (one collective and host sync each).
-        self._sharded_length = batch_sequence_length(batch)
+        # A forward given these very tensors takes every rank's slice length from the
+        # global one instead of all-gathering them in every layer (a collective and a host
+        # sync each): the same decision on every rank, since every rank passes its own.
+        given = {id(v) for v in batch.values()}
+        cut = [v for v in sharded.values() if id(v) not in given]  # passed through: not ours
+        self._sharded.remember(cut, batch_sequence_length(batch))
         return sharded
 
     def is_gradient_accumulation_boundary(self) -> bool:

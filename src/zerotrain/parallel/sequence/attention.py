@@ -14,9 +14,9 @@ attention itself is computed.
 Sequences that do not divide by the degree: each rank may hold a different number of
 positions (``balanced_sizes``: the first ranks one more); they are exchanged as they are
 (every rank's length is needed: inside ``known_lengths``, which the engine enters around a
-forward of a batch from ``engine.shard_sequence``, they are computed from the global
-length; elsewhere they are all-gathered, one tiny collective and a host sync per call), so
-nothing is padded and nothing needs masking. DeepSpeed pads to a multiple of the degree
+forward of a batch from ``engine.shard_sequence`` whose length divides by the degree, they
+are known; elsewhere they are all-gathered, one tiny collective and a host sync per call),
+so nothing is padded and nothing needs masking. DeepSpeed pads to a multiple of the degree
 instead.
 
 Heads (``split_heads``): query heads that divide by the degree P are split evenly; ones
@@ -105,11 +105,25 @@ _KNOWN: contextvars.ContextVar[tuple[Communicator, tuple[int, ...]] | None] = (
 
 @contextlib.contextmanager
 def known_lengths(comm: Communicator, total: int) -> Iterator[None]:
-    """Within the block, attention over ``comm`` takes every rank's slice length from the
-    global length ``total`` (``balanced_sizes``, as ``shard_batch`` cuts it) instead of
-    all-gathering them in every call: no collective and no host sync per layer. Every rank
-    of ``comm`` must enter it alike (the engine does, around a forward of a batch from
-    ``shard_sequence``); a slice of another length inside raises."""
+    """Within the block, attention over ``comm`` whose slice has ``total / P`` positions
+    takes every rank's length from that instead of all-gathering them in every call: no
+    collective and no host sync per layer. Every rank of ``comm`` must enter it alike (the
+    engine does, around a forward of a batch from ``shard_sequence``).
+
+    Only for a ``total`` that divides by the degree: then every rank holds as many
+    positions, so a layer that changes the length (prepended tokens, an encoder of another
+    length) changes it alike on every rank, and every rank falls back to the all-gather
+    alike. With uneven slices a rank-local check could let one rank skip the collective
+    that another makes, so those keep the all-gather.
+
+    Raises:
+        ValueError: a ``total`` that does not divide by the degree.
+    """
+    if total % comm.world_size:
+        raise ValueError(
+            f"known_lengths needs a length that divides by the degree {comm.world_size}, "
+            f"got {total}"
+        )
     token = _KNOWN.set((comm, tuple(balanced_sizes(total, comm.world_size))))
     try:
         yield
@@ -119,24 +133,11 @@ def known_lengths(comm: Communicator, total: int) -> Iterator[None]:
 
 def sequence_lengths(comm: Communicator, mine: int, device: torch.device) -> list[int]:
     """Every rank's number of positions, so that slices of different lengths are exchanged
-    as they are: from ``known_lengths`` when inside it, else one tiny all-gather.
-
-    Raises:
-        ValueError: inside ``known_lengths``, this rank's slice is not the length its
-            global length gives (the batch was cut another way, or a layer changed the
-            sequence's length).
-    """
+    as they are: from ``known_lengths`` when inside it and this slice has the length it
+    gives (the same on every rank), else one tiny all-gather."""
     known = _KNOWN.get()
-    if known is not None and known[0] is comm:
-        lengths = known[1]
-        if lengths[comm.rank] != mine:
-            raise ValueError(
-                f"sequence-parallel attention on rank {comm.rank} got a slice of {mine} "
-                f"positions, but the batch's sequence of {sum(lengths)} cut over "
-                f"{comm.world_size} ranks gives it {lengths[comm.rank]}: pass the model the "
-                "batch engine.shard_sequence returned, unchanged"
-            )
-        return list(lengths)
+    if known is not None and known[0] is comm and known[1][comm.rank] == mine:
+        return list(known[1])
     local = torch.tensor([mine], dtype=torch.int64, device=device)
     every = torch.empty(comm.world_size, dtype=torch.int64, device=device)
     comm.all_gather_into(every, local, purpose="control")

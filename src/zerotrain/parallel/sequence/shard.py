@@ -22,7 +22,8 @@ padding is refused: padded batches do not split by position (pack or trim them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -97,6 +98,32 @@ def _runs_along(value: Any, seq_dim: int, length: int) -> bool:
     return (
         isinstance(value, torch.Tensor) and value.dim() > seq_dim and value.shape[seq_dim] == length
     )
+
+
+class ShardedBatches:
+    """The tensors ``shard_batch`` returned, by identity (weakly: an entry goes with its
+    tensor), with the global length of the sequence they were cut from."""
+
+    def __init__(self) -> None:
+        self._lengths: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+    def remember(self, values: Iterable[Any], length: int) -> None:
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                key = id(value)
+                ref: weakref.ref[torch.Tensor] = weakref.ref(
+                    value,
+                    lambda _, key=key: self._lengths.pop(key, None),  # type: ignore[misc]
+                )
+                self._lengths[key] = (ref, length)
+
+    def length_of(self, values: Iterable[Any]) -> int | None:
+        """The global length of the first of ``values`` that is a remembered tensor."""
+        for value in values:
+            found = self._lengths.get(id(value)) if isinstance(value, torch.Tensor) else None
+            if found is not None and found[0]() is value:
+                return found[1]
+        return None
 
 
 def batch_sequence_length(batch: Mapping[str, Any], seq_dim: int = 1) -> int:
