@@ -265,3 +265,16 @@ def test_an_exchange_split_into_one_group_per_message_deadlocks_1f1b():
         rows.append(tuple(split))
     with pytest.raises(NcclOrderError, match="deadlock"):
         check_nccl_order(host_programs(dataclasses.replace(plan, items=tuple(rows))))
+
+
+def test_operations_left_unmatched_at_the_end_are_named():
+    """Every wait returned, yet an extra receive (or send) stays posted: on NCCL it would
+    meet the next step's messages or hang it (found in review)."""
+    x, y = Op("send", 1, "x"), Op("recv", 0, "x")
+    extra: list[list[Event]] = [
+        [Post((x,)), Wait(x)],
+        [Post((y, Op("recv", 0, "y"))), Wait(y)],
+    ]
+    with pytest.raises(NcclOrderError, match=r"never matched.*recv of y from rank 0"):
+        check_nccl_order(extra)
+    check_nccl_order([[Post((x,)), Wait(x)], [Post((y,)), Wait(y)]])

@@ -194,6 +194,17 @@ def check_nccl_order(programs: Sequence[Sequence[Event]]) -> None:
     unfinished = [r for r in range(ranks) if pc[r] < len(programs[r])]
     if unfinished:
         raise NcclOrderError(_deadlock(programs, pc, unfinished, state, groups, stream, head))
+    # Every program ran to its end; what it posted must all have been matched too: an
+    # unmatched operation would meet the next step's messages, or hang it.
+    left = [
+        f"rank {rank}: {op.kind} of {op.what} {'to' if op.kind == 'send' else 'from'} "
+        f"rank {op.peer}"
+        for op_id, (rank, op) in enumerate(state.op_info)
+        if op_id not in state.completed
+    ]
+    if left:
+        shown = "; ".join(left[:4]) + (f"; and {len(left) - 4} more" if len(left) > 4 else "")
+        raise NcclOrderError(f"operations posted but never matched at the end: {shown}")
 
 
 def _check_match(state: _State, send_id: int, recv_id: int, k: int) -> None:
