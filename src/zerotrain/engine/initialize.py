@@ -459,13 +459,6 @@ def initialize(
         if tensor_whole is not None and groups.tensor.rank != 0:
             # Whole on every tensor rank, with the same gradients: the first rank counts them.
             strategy.count_once_elsewhere(tensor_whole)
-        # Sequence-parallel whole parameters: one coalesced sum per step on the reduced
-        # gradients instead of one all-reduce per parameter per backward. Not with
-        # gradients in swap files, nor with the 1-bit optimizers (their windows keep each
-        # rank's own gradients): their hooks stay.
-        streamed = offload is not None and offload.swap_grads
-        if not streamed and not (spec is not None and is_compressed(spec)):
-            take_over_sequence_parallel_sums(model, strategy)
     except BaseException:
         if offload is not None:
             offload.close()  # its swap files and allocator setting; no engine will
@@ -496,6 +489,14 @@ def initialize(
         )
     else:
         engine = Engine(*engine_args, groups=groups)
+    # Sequence-parallel whole parameters: one coalesced sum per step on the reduced
+    # gradients instead of one all-reduce per parameter per backward. Last, so that a
+    # failure before it leaves parallelize's hooks in place. Not with gradients in swap
+    # files, nor with the 1-bit optimizers (their windows keep each rank's own gradients):
+    # their hooks stay.
+    streamed = offload is not None and offload.swap_grads
+    if not streamed and not (spec is not None and is_compressed(spec)):
+        take_over_sequence_parallel_sums(model, strategy)
     engine.training_dataloader = loader
     # DeepSpeed's engine.config: the config as passed (a path is read, so always a dict).
     engine.config = (
