@@ -362,17 +362,10 @@ class PeerToPeer:
     def _check_order_header(self, op: P2POp, ops: Sequence[P2POp]) -> None:
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         work = self._issue(P2POp.recv(header, op.peer, purpose="header"), ORDER_TAG)
+        self._wait_for_peer(
+            work, op.peer, "post the next message of this pair", lambda: f"waits for {op.entry()}"
+        )
         me, peer = self._name(self.rank), self._name(op.peer)
-        try:
-            with liveness.waiting():
-                work.wait(self.timeout) if self.timeout is not None else work.wait()
-        except Exception as exc:
-            seconds = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
-            raise CollectiveError(
-                f"{me}: {peer} did not post the next message of this pair{seconds} (it "
-                f"exited, is stuck, or took another code path); this rank waits for "
-                f"{op.entry()} ({exc})"
-            ) from exc
         problem = mismatch_message(me, peer, op.entry(), header)
         if problem is not None:
             raise CollectiveError(
@@ -426,6 +419,21 @@ class PeerToPeer:
         fn = dist.isend if op.kind == "send" else dist.irecv
         return dist.P2POp(fn, op.tensor, self._to_global(op.peer), group=self.group)
 
+    def _wait_for_peer(
+        self, work: dist.Work, peer: int, did_not: str, this_rank: Callable[[], str]
+    ) -> None:
+        """Wait for a header ``work`` with ``peer``; on a failure or the timeout, raise
+        naming both ranks: "<peer> did not <did_not> ...; this rank <this_rank()>"."""
+        try:
+            with liveness.waiting():
+                work.wait(self.timeout) if self.timeout is not None else work.wait()
+        except Exception as exc:
+            seconds = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
+            raise CollectiveError(
+                f"{self._name(self.rank)}: {self._name(peer)} did not {did_not}{seconds} (it "
+                f"exited, is stuck, or took another code path); this rank {this_rank()} ({exc})"
+            ) from exc
+
     def _check_headers(self, ops: Sequence[P2POp], peers: Sequence[int]) -> None:
         """Swap a header over the backend with each of ``peers``; raise on both sides of a
         mismatch."""
@@ -439,18 +447,14 @@ class PeerToPeer:
             )
         me = self._name(self.rank)
         works = dist.batch_isend_irecv(torch_ops)
+
+        def where() -> str:  # only on a failure: describing the batch costs
+            return f"is in {self._describe(ops).split(': ', 1)[1]}"
+
         for i, work in enumerate(works):
-            peer = peers[i // 2]
-            try:
-                with liveness.waiting():
-                    work.wait(self.timeout) if self.timeout is not None else work.wait()
-            except Exception as exc:
-                seconds = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
-                raise CollectiveError(
-                    f"{me}: {self._name(peer)} did not issue the matching point-to-point call"
-                    f"{seconds} (it exited, is stuck, or took another code path); this rank "
-                    f"is in {self._describe(ops).split(': ', 1)[1]} ({exc})"
-                ) from exc
+            self._wait_for_peer(
+                work, peers[i // 2], "issue the matching point-to-point call", where
+            )
         for peer in peers:
             problem = mismatch_message(
                 me, self._name(peer), expected_text(ops, peer), received[peer]
