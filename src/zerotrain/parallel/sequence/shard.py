@@ -22,12 +22,12 @@ padding is refused: padded batches do not split by position (pack or trim them).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zerotrain.comm.collectives import Communicator
 from zerotrain.parallel.sequence.attention import balanced_sizes
@@ -105,24 +105,18 @@ class ShardedBatches:
     tensor), with the global length of the sequence they were cut from."""
 
     def __init__(self) -> None:
-        self._lengths: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._lengths: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def remember(self, values: Iterable[Any], length: int) -> None:
         for value in values:
             if isinstance(value, torch.Tensor):
-                key = id(value)
-                ref: weakref.ref[torch.Tensor] = weakref.ref(
-                    value,
-                    lambda _, key=key: self._lengths.pop(key, None),  # type: ignore[misc]
-                )
-                self._lengths[key] = (ref, length)
+                self._lengths[value] = length
 
     def length_of(self, values: Iterable[Any]) -> int | None:
         """The global length of the first of ``values`` that is a remembered tensor."""
         for value in values:
-            found = self._lengths.get(id(value)) if isinstance(value, torch.Tensor) else None
-            if found is not None and found[0]() is value:
-                return found[1]
+            if isinstance(value, torch.Tensor) and value in self._lengths:
+                return int(self._lengths[value])
         return None
 
 

@@ -22,25 +22,18 @@ over the tensor group and the one over the data group commute.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zerotrain.comm.collectives import Communicator
 
-# By id: the parameters whose gradients a hook sums (weakly: the entry goes with the
-# parameter), with their group and hook. Tensors compare by value, so no WeakKeyDictionary.
-_SUMMED: dict[int, tuple[weakref.ref[torch.Tensor], Communicator, RemovableHandle]] = {}
-
-
-def _summed(param: torch.Tensor) -> tuple[Communicator, RemovableHandle] | None:
-    found = _SUMMED.get(id(param))
-    if found is None or found[0]() is not param:
-        return None
-    return found[1], found[2]
+# The parameters whose gradients a hook sums (weakly, by identity: tensors compare by
+# value), with their group and hook.
+_SUMMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def sum_gradients_over_group(
@@ -61,15 +54,10 @@ def sum_gradients_over_group(
     seen: set[int] = set()
     hooks = []
     for param in params:
-        if param.requires_grad and id(param) not in seen and _summed(param) is None:
+        if param.requires_grad and id(param) not in seen and param not in _SUMMED:
             seen.add(id(param))
             hook = param.register_hook(summed)
-            key = id(param)
-            ref: weakref.ref[torch.Tensor] = weakref.ref(
-                param,
-                lambda _, key=key: _SUMMED.pop(key, None),  # type: ignore[misc]
-            )
-            _SUMMED[key] = (ref, comm, hook)
+            _SUMMED[param] = (comm, hook)
             hooks.append(hook)
     return hooks
 
@@ -82,9 +70,8 @@ def take_over_gradient_sums(
     once per step)."""
     out: dict[Communicator, list[torch.Tensor]] = {}
     for param in params:
-        found = _summed(param)
+        found = _SUMMED.pop(param, None)
         if found is not None:
-            del _SUMMED[id(param)]
             comm, hook = found
             hook.remove()
             out.setdefault(comm, []).append(param)
