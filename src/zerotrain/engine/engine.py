@@ -459,27 +459,21 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self.strategy.sum_group_gradients()  # sequence-parallel whole parameters, if any
         policy = self.policy
         checked = self.precision.check_overflow or policy.non_finite_action != "ignore"
-        if not (checked or policy.clip_norm > 0 or self.loss_scaler is not None) and (
-            not self.telemetry.reports_grad_norm(self.global_steps + 1, policy.steps_per_print)
-        ):
-            # Nothing reads the norm this step: no pass over the gradients, and no
-            # all-reduce (in a pipeline, one that makes every stage wait for the slowest).
-            # DeepSpeed computes it every step; get_global_grad_norm() says None instead.
-            self._grad_norm = None
-            self._step_applied = True
-            self._step_lrs = self._current_lrs()
-            if self.optimizer is not None:
-                self.optimizer.overflow = False  # type: ignore[attr-defined]
-            self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            return
-        norm = self.strategy.grad_norm()
+        # The norm only where something reads it: no pass over the gradients and no
+        # all-reduce otherwise (in a pipeline, one that makes every stage wait for the
+        # slowest). DeepSpeed computes it every step; get_global_grad_norm() says None.
+        needed = (
+            checked
+            or policy.clip_norm > 0
+            or self.loss_scaler is not None
+            or self.telemetry.reports_grad_norm(self.global_steps + 1, policy.steps_per_print)
+        )
+        norm = self.strategy.grad_norm() if needed else None
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # Checking converts the norm to a Python bool: one device sync per step, skipped only
         # with non_finite_gradients.action "ignore" (fp32/bf16). The norm is global, so
         # every rank reaches the same verdict.
-        overflow = checked and not bool(torch.isfinite(norm))
+        overflow = checked and norm is not None and not bool(torch.isfinite(norm))
         if self.loss_scaler is None:
             self._non_finite(overflow, norm)
         self._step_applied = not overflow
@@ -491,7 +485,11 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
             self.strategy.skip_step()
             self.skipped_steps += 1
         else:
-            self._grad_norm, coef = clip_coefficient(norm, 1.0 / scale, self.policy.clip_norm)
+            self._grad_norm, coef = (
+                (None, None)
+                if norm is None
+                else clip_coefficient(norm, 1.0 / scale, self.policy.clip_norm)
+            )
             self.strategy.scale_grads(coef)
             self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
             if self.lr_scheduler is not None:
@@ -505,10 +503,10 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 f", loss scale {scale:g} -> {self.loss_scale:g}",
             )
 
-    def _non_finite(self, found: bool, norm: torch.Tensor) -> None:
+    def _non_finite(self, found: bool, norm: torch.Tensor | None) -> None:
         """fp32/bf16 (no loss scaler): log a step with inf/NaN gradients, and raise when the
         policy says so or too many came in a row (``non_finite_gradients``)."""
-        if not found:
+        if not found or norm is None:  # found only on steps that computed the norm
             self._consecutive_skips = 0
             return
         self._consecutive_skips += 1
