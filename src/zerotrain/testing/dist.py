@@ -95,6 +95,40 @@ def rank_environment(rank: int, world_size: int, port: int, comm_timeout_s: floa
     torch.set_num_threads(1)
 
 
+def become_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    log_path: str,
+    comm_timeout_s: float,
+    launcher: int,
+    *,
+    append: bool,
+) -> None:
+    """Make this process test rank ``rank`` (a job's own, or a pool's): its output goes to
+    ``log_path`` (appended to, or from scratch), SIGUSR1 dumps its stacks, it ends when
+    ``launcher`` is gone, and it has torchrun's environment."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    log_fd = os.open(log_path, flags, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    threading.Thread(target=follow_launcher, args=(launcher,), daemon=True).start()
+    rank_environment(rank, world_size, port, comm_timeout_s)
+
+
+def join_group(rank: int, world_size: int, port: int, comm_timeout_s: float) -> None:
+    """The default process group over the job's store: gloo on CPUs; a test that asks for
+    CUDA (env ZEROTRAIN_DEVICE=cuda) gets NCCL, the backend zerotrain pairs with it."""
+    timeout = datetime.timedelta(seconds=comm_timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    backend = "nccl" if os.environ["ZEROTRAIN_DEVICE"] == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -108,24 +142,10 @@ def _worker(
     comm_timeout_s: float,
     launcher: int,
 ) -> None:
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    threading.Thread(target=follow_launcher, args=(launcher,), daemon=True).start()
-    rank_environment(rank, world_size, port, comm_timeout_s)
+    become_rank(rank, world_size, port, log_path, comm_timeout_s, launcher, append=False)
     os.environ.update(env)
     try:
-        timeout = datetime.timedelta(seconds=comm_timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        # gloo on CPUs; a test that asks for CUDA (env ZEROTRAIN_DEVICE=cuda) gets NCCL,
-        # the backend zerotrain pairs with it.
-        backend = "nccl" if os.environ["ZEROTRAIN_DEVICE"] == "cuda" else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        join_group(rank, world_size, port, comm_timeout_s)
         outcome = ("ok", fn(*args, **kwargs))
     except BaseException:
         outcome = ("error", traceback.format_exc())
@@ -136,7 +156,6 @@ def _worker(
     results.put((rank, payload, time.time()))
     if dist.is_initialized():
         dist.destroy_process_group()
-    os.close(log_fd)
 
 
 def follow_launcher(launcher: int) -> None:

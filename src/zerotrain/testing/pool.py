@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import faulthandler
 import gc
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections import OrderedDict
@@ -70,19 +67,9 @@ def _pool_worker(
     comm_timeout_s: float,
     launcher: int,
 ) -> None:
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    threading.Thread(target=harness.follow_launcher, args=(launcher,), daemon=True).start()
-    harness.rank_environment(rank, world_size, port, comm_timeout_s)
-    timeout = datetime.timedelta(seconds=comm_timeout_s)
+    harness.become_rank(rank, world_size, port, log_path, comm_timeout_s, launcher, append=True)
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        harness.join_group(rank, world_size, port, comm_timeout_s)
         _warm_up(comm_timeout_s)
         ready: tuple[str, Any] = ("ok", None)
     except BaseException:
