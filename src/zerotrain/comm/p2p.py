@@ -177,16 +177,24 @@ def decode_header(header: torch.Tensor) -> tuple[int, str] | None:
     return crc, raw[_TEXT_START:].rstrip(b"\0").decode(errors="replace")
 
 
-def mismatch_message(me: str, peer_name: str, expected: str, received: torch.Tensor) -> str | None:
-    """The error for a peer whose header differs from ``expected`` (None if it matches)."""
+def mismatch_message(
+    me: str,
+    peer_name: str,
+    expected: str,
+    received: torch.Tensor,
+    what: str = "point-to-point calls",
+    why: str = "",
+) -> str | None:
+    """The error for a peer whose header differs from ``expected`` (None if it matches);
+    ``what`` the two ranks issued, ``why`` that matters (appended)."""
     decoded = decode_header(received)
     if decoded is not None and decoded[0] == zlib.crc32(expected.encode()):
         return None
     actual = "something that is not a p2p header" if decoded is None else decoded[1]
     return (
-        f"{me}: the point-to-point calls of this rank and {peer_name} do not match (they took "
+        f"{me}: the {what} of this rank and {peer_name} do not match (they took "
         f"different code paths, or issued their calls in a different order). This rank "
-        f"expects {peer_name}: {expected}; {peer_name} announced: {actual}"
+        f"expects {peer_name}: {expected}; {peer_name} announced: {actual}{why}"
     )
 
 
@@ -350,7 +358,7 @@ class PeerToPeer:
                 works.append(self._issue(op, ORDER_TAG))
             else:
                 if self.verify:
-                    self._check_order_header(op, ops)
+                    self._check_order_header(op)
                 works.append(self._issue(op, ORDER_TAG))
             per_op[i] = works
         return [per_op[i] for i in range(len(ops))]
@@ -359,23 +367,25 @@ class PeerToPeer:
         header = encode_header(op.entry())
         return self._issue(P2POp.send(header, op.peer, purpose="header"), ORDER_TAG)
 
-    def _check_order_header(self, op: P2POp, ops: Sequence[P2POp]) -> None:
+    def _check_order_header(self, op: P2POp) -> None:
+        """Receive the header of ``op``'s message and raise, naming both ranks and both
+        messages, when the peer announced another one."""
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         work = self._issue(P2POp.recv(header, op.peer, purpose="header"), ORDER_TAG)
         self._wait_for_peer(
             work, op.peer, "post the next message of this pair", lambda: f"waits for {op.entry()}"
         )
-        me, peer = self._name(self.rank), self._name(op.peer)
-        problem = mismatch_message(me, peer, op.entry(), header)
+        problem = mismatch_message(
+            self._name(self.rank),
+            self._name(op.peer),
+            op.entry(),
+            header,
+            what="messages",
+            why=" (pipeline messages match by order: the two ranks posted them in different "
+            "orders)",
+        )
         if problem is not None:
-            raise CollectiveError(
-                problem.replace(
-                    "the point-to-point calls of this rank and",
-                    "the messages of this rank and",
-                )
-                + " (pipeline messages match by order: the two ranks posted them in "
-                "different orders)"
-            )
+            raise CollectiveError(problem)
 
     def _header_work(self, ops: Sequence[P2POp], peer: int) -> PairWork:
         """The header swap with ``peer`` through its channel, raising on a mismatch."""
