@@ -37,8 +37,9 @@ resident set):
   torch); ``model states``: params + grads + optimizer states (``memory_breakdown()``).
 
 The last part times same-host point-to-point transports: a ping-pong of one message between
-the 2 ranks through ``Communicator.post_in_order`` (tagged isend/irecv over gloo TCP, what the
-pipeline executor uses), ``Communicator.exchange`` (the pairwise shared-memory channel) and
+the 2 ranks through ``Communicator.post_in_order`` (what the pipeline executor uses: the
+shared-memory mailbox on one host; tagged isend/irecv over gloo TCP without shared memory,
+as between hosts), ``Communicator.exchange`` (the pairwise shared-memory channel) and
 ``Communicator.exchange`` without shared memory (gloo plus the header check).
 
     OMP_NUM_THREADS=1 python benchmarks/pipeline.py [--quick] [--plot benchmarks/pipeline_p2p.png]
@@ -66,7 +67,12 @@ from torch import nn
 SYSTEMS = ("zt-1f1b", "torch-1f1b", "zt-dp")
 MODELS = ("mlp", "gpt")
 LR, WEIGHT_DECAY = 1e-3, 0.01
-P2P_COLUMNS = ("post (gloo TCP)", "exchange (shm channel)", "exchange (gloo + header)")
+P2P_COLUMNS = (
+    "post (shm mailbox)",
+    "post (gloo TCP)",
+    "exchange (shm channel)",
+    "exchange (gloo + header)",
+)
 
 
 # -- models --------------------------------------------------------------------------------
@@ -461,8 +467,9 @@ def _p2p_job(sizes: list[int], repeats: int) -> dict[tuple[int, str], float]:
         raise RuntimeError("no shared-memory channel to the peer")
     issuers: dict[str, Callable[[list[Any]], None]] = {
         P2P_COLUMNS[0]: lambda ops: [h.wait() for h in shared.post_in_order(ops)],
-        P2P_COLUMNS[1]: lambda ops: shared.exchange(ops).wait(),
-        P2P_COLUMNS[2]: lambda ops: gloo.exchange(ops).wait(),
+        P2P_COLUMNS[1]: lambda ops: [h.wait() for h in gloo.post_in_order(ops)],
+        P2P_COLUMNS[2]: lambda ops: shared.exchange(ops).wait(),
+        P2P_COLUMNS[3]: lambda ops: gloo.exchange(ops).wait(),
     }
     out: dict[tuple[int, str], float] = {}
     for size in sizes:
@@ -568,7 +575,7 @@ def model_tables(args: argparse.Namespace, results: dict[str, Any]) -> list[str]
 def p2p_table(sizes: list[int], result: dict[tuple[int, str], float]) -> list[str]:
     head = " | ".join(f"{c}: µs, GB/s" for c in P2P_COLUMNS)
     lines = [
-        f"| message | {head} | post / exchange (shm) |",
+        f"| message | {head} | post: gloo TCP / mailbox |",
         "|---|" + "---|" * (len(P2P_COLUMNS) + 1),
     ]
     for size in sizes:
@@ -576,7 +583,7 @@ def p2p_table(sizes: list[int], result: dict[tuple[int, str], float]) -> list[st
             f"{1e6 * result[(size, c)]:.0f}, {size / result[(size, c)] / 1e9:.2f}"
             for c in P2P_COLUMNS
         )
-        ratio = result[(size, P2P_COLUMNS[0])] / result[(size, P2P_COLUMNS[1])]
+        ratio = result[(size, P2P_COLUMNS[1])] / result[(size, P2P_COLUMNS[0])]
         lines.append(f"| {_size_label(size)} | {cells} | {ratio:.2f} |")
     return lines
 

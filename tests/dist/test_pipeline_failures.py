@@ -214,6 +214,76 @@ def test_a_boundary_too_wide_for_its_tags_is_refused_on_both_sides():
         assert seconds < 10, (message, seconds)
 
 
+class _KeepPositive(nn.Module):
+    """Keeps the rows whose first value is positive: its output's shape depends on its
+    input's values, not only on its shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x[:, 0] > 0]
+
+
+def _data_dependent_shape() -> tuple[str, float]:
+    torch.manual_seed(0)
+    module = PipelineModule(
+        [LayerSpec(_KeepPositive), LayerSpec(nn.Linear, WIDTH, WIDTH)],
+        num_stages=2,
+        loss_fn=lambda out, target: out.pow(2).mean() + 0 * target.sum(),
+        partition_method="uniform",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine, *_ = zerotrain.initialize(model=module, config=config)
+    # Same shapes, different values: 2 rows kept, then 1.
+    kept = torch.ones(2, WIDTH)
+    batches = [(kept, torch.zeros(2, WIDTH)), (kept * torch.tensor([[1.0], [-1.0]]), kept)]
+    outcome = _outcome(lambda: engine.train_batch(iter(batches)))
+    time.sleep(3 if dist.get_rank() == 0 else 0)  # the refusing rank stays alive
+    return outcome
+
+
+def test_a_data_dependent_output_shape_stops_the_next_stage_at_once():
+    """P3: the sending stage refused micro-batch 1's output (its shapes differ from
+    micro-batch 0's, for inputs of the same shapes) and stayed alive; the receiving stage
+    waited for the collective timeout. Through the same-host mailbox (gloo's default) the
+    refusal reaches it at once."""
+    first, last = run_distributed(
+        _data_dependent_shape,
+        2,
+        comm_timeout=30,
+        env={"ZEROTRAIN_P2P_MATCH": "tag"},
+        own_processes=BREAKS_THE_GROUP,
+    )
+    assert first[0].startswith("RuntimeError: pipeline stage 0"), first
+    assert "depend only" in first[0], first
+    assert "rank 0 (global rank 0) abandoned its step: RuntimeError: pipeline stage 0" in last[0], (
+        last
+    )
+    assert last[1] < 5, last  # not the 30 s timeout
+
+
+def _forward_fails_mid_step() -> tuple[str, float]:
+    engine = _engine(fail_layer_on=3 if dist.get_rank() == 0 else 0, schedule="1f1b")
+    outcome = _outcome(lambda: engine.train_batch(iter(_batches(1))))
+    time.sleep(3 if dist.get_rank() == 0 else 0)
+    return outcome
+
+
+def test_a_stage_that_fails_mid_step_stops_the_stages_waiting_on_it():
+    first, last = run_distributed(
+        _forward_fails_mid_step,
+        2,
+        comm_timeout=30,
+        env={"ZEROTRAIN_P2P_MATCH": "tag"},
+        own_processes=BREAKS_THE_GROUP,
+    )
+    assert first[0] == "ValueError: this layer refuses its forward number 3", first
+    assert "abandoned its step: ValueError: this layer refuses its forward number 3" in last[0]
+    assert last[1] < 5, last
+
+
 def _one_stage_two_chunks() -> str:
     module = PipelineModule(
         [LayerSpec(_Layer) for _ in range(4)],

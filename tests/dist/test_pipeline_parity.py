@@ -10,6 +10,10 @@ stage (both copies of the tied embedding included), for GPipe, 1F1B and interlea
 ``reshard_after_forward`` vary across the cases: they change when gradients move, never
 the result; nor does activation checkpointing (``activation_checkpoint_interval``), which
 two cases use.
+
+The suite runs every case in ``ZEROTRAIN_P2P_MATCH=order`` (every message over gloo, matched
+by order under one tag, as NCCL matches them); ``MAILBOX_CASES`` run again as users' gloo jobs
+run by default, through the same-host shared-memory mailbox (``comm/shm_mailbox.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ CASES = [
 ]
 
 
+# One per schedule, 4 stages (3 pairs of neighbours), the three ZeRO stages.
+MAILBOX_CASES = [CASES[9], CASES[13], CASES[17]]
+
+
 def _name(run: PipeRun) -> str:
     held = "" if run.reshard_after_forward else "-held"
     checkpointed = f"-ckpt{run.checkpoint_interval}" if run.checkpoint_interval else ""
@@ -67,3 +75,14 @@ def test_pipeline_matches_single_process_training(run, references):
     # Every parameter of the model lives on some stage.
     held = set().union(*(r["params"] for r in results))
     assert held == set(reference["params"])
+
+
+@pytest.mark.parametrize("run", MAILBOX_CASES, ids=_name)
+def test_pipeline_through_the_mailbox_matches_single_process_training(run, references):
+    results = run_distributed(
+        train_pipeline, WORLD, run, timeout=240, env={"ZEROTRAIN_P2P_MATCH": "tag"}
+    )
+    reference = references[WORLD // run.stages]
+    for rank, result in enumerate(results):
+        problems = mismatches(result, reference, 1e-5)
+        assert not problems, f"rank {rank}: " + "; ".join(problems)

@@ -611,23 +611,33 @@ class Communicator:
         Between two ranks messages match in the order each posts them, as NCCL matches
         them whatever the tags (NCCL: one ``batch_isend_irecv``, one group). Callers post
         in mirrored orders (``parallel/pipeline/plan.py`` derives them from the schedule).
-        Gloo matches by ``P2POp.tag`` by default; ``ZEROTRAIN_P2P_MATCH=order`` makes it
-        match by order under one tag, as NCCL does, and with verification on (the default)
-        sends a header before each message that the receiver checks before the data
-        arrives, so a mis-ordered message fails there, naming both ranks and both
-        messages (the receive then waits at posting for its header: a checking mode, for
-        CPU runs and tests). No shared-memory channel (it would make a send wait for its
-        receive); gloo carries the messages over TCP, also on one host. ``wait()`` a
-        receive's handle before reading it, a send's before changing or freeing its
-        tensor. Counted in ``stats`` like :meth:`exchange`.
+        Over gloo, CPU messages to a peer on this machine go through a shared-memory
+        mailbox (``shm_mailbox.py``): a send completes as soon as its message is in the
+        pair's slots, without waiting for the receiver, messages match by order, and each
+        carries a header the receiver checks, so a mis-ordered one fails there naming both
+        ranks and both messages. Messages to other machines go over gloo and match by
+        ``P2POp.tag``. ``ZEROTRAIN_P2P_MATCH=order`` sends every message over gloo instead,
+        matched by order under one tag, as NCCL does, each after a header that the
+        receiver checks before the data arrives (the receive then waits at posting for its
+        header: a checking mode, for CPU runs and tests). ``wait()`` a receive's handle
+        before reading it, a send's before changing or freeing its tensor. Counted in
+        ``stats`` like :meth:`exchange`.
 
         Raises:
             ValueError: as for :meth:`exchange`, or a bad ``ZEROTRAIN_P2P_MATCH``.
-            CollectiveError: the backend refused an op, or (order mode) a message that is
-                not the one expected; on ``wait()``, a peer that never posted the matching
-                op within the timeout.
+            CollectiveError: the backend refused an op, or a message that is not the one
+                expected (mailbox, order mode); on ``wait()``, a peer that never posted the
+                matching op within the timeout, exited, stopped answering, or abandoned
+                its step (mailbox).
         """
         return self._p2p.post_in_order(ops)
+
+    def abandon_posted(self, reason: str) -> None:
+        """After a failure with messages of :meth:`post_in_order` outstanding: peers on this
+        machine waiting for this rank's messages raise at once, quoting ``reason``, instead
+        of waiting out the timeout (peers on other machines still time out). Later
+        mailbox calls on this communicator raise."""
+        self._p2p.abandon_posted(reason)
 
     def _global(self, rank: int) -> int:
         """The default-group rank of ``rank`` in this communicator's group."""

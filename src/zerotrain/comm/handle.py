@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,15 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the rank and the collective."""
 
 
+class Waitable(Protocol):
+    """What a :class:`Handle` waits on: a backend's ``dist.Work``, or a message of the
+    shared-memory mailbox (``shm_mailbox.MailboxMessage``)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self, timeout: datetime.timedelta = ...) -> bool: ...
+
+
 class Handle:
     """An issued collective (possibly several backend operations). ``wait()`` blocks until
     all of them finished, then runs ``on_done``.
@@ -39,7 +49,7 @@ class Handle:
 
     def __init__(
         self,
-        work: dist.Work | Sequence[dist.Work] | None,
+        work: dist.Work | Sequence[Waitable] | None,
         describe: Callable[[], str],
         on_done: Callable[[], None] | None = None,
         timeout: datetime.timedelta | None = None,
@@ -49,7 +59,7 @@ class Handle:
         if work is None:
             work = []
         self._explain = explain
-        self._works = [work] if isinstance(work, dist.Work) else list(work)
+        self._works: list[Waitable] = [work] if isinstance(work, dist.Work) else list(work)
         self._describe = describe
         self._on_done = on_done
         self._timeout = timeout
@@ -118,7 +128,7 @@ def failure_message(
     ranks stopped answering, from their heartbeats) or else ``hint``."""
     if isinstance(exc, shm.ShmMismatchError):
         return f"{what}: {exc}"
-    if isinstance(exc, shm.ShmPeerError):
+    if isinstance(exc, (shm.ShmPeerError, CollectiveError)):  # already names the ranks
         return f"{what} failed: {exc}"
     named = explain() if explain is not None else ""
     return f"{what} failed: {exc}.{named or ' ' + hint}"

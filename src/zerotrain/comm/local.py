@@ -169,5 +169,8 @@ class LocalCommunicator(Communicator):
         self.exchange(ops)
         return []
 
+    def abandon_posted(self, reason: str) -> None:
+        """Nothing was posted to anyone."""
+
     def barrier(self) -> None:
         """Nobody else to wait for."""

@@ -44,7 +44,14 @@ import torch.distributed as dist
 
 from zerotrain.comm import liveness
 from zerotrain.comm.comms_logger import CommsLogger
-from zerotrain.comm.handle import CollectiveError, Handle, describe_tensor, failure_message
+from zerotrain.comm.handle import (
+    CollectiveError,
+    Handle,
+    Waitable,
+    describe_tensor,
+    failure_message,
+)
+from zerotrain.comm.shm_mailbox import MAILBOX_SLOTS, Mailbox, MailboxMessage
 from zerotrain.comm.shm_p2p import PairWork, PeerStalledError, ShmPairs
 from zerotrain.comm.stats import CommStats
 from zerotrain.utils.invariant import invariant
@@ -53,6 +60,8 @@ HEADER_BYTES = 512
 ORDER_TAG = 0  # the one tag of messages matched by order (their group carries nothing else)
 _MAGIC = b"ZTP1"  # a header, version 1 (anything else received is not a header)
 _TEXT_START = 8  # magic (4 bytes), CRC-32 of the whole text (4 bytes), then the text
+
+_ORDER_WHY = " (pipeline messages match by order: the two ranks posted them in different orders)"
 
 P2P_HINT = (
     "The peer probably exited, or never issued the matching send/recv (a different code "
@@ -234,6 +243,7 @@ class PeerToPeer:
         self.stats = stats
         self.logger = logger
         self.pairs = pairs
+        self._mailbox: Mailbox | None = None  # opened by the first message it carries
 
     def _name(self, rank: int) -> str:
         if self.group is None:
@@ -316,13 +326,13 @@ class PeerToPeer:
                 works = dist.batch_isend_irecv([self._torch_op(op) for op in ops])
                 # A coalescing backend returns one work for the whole group (its ops
                 # complete together); one without coalescing, a work per op.
-                per_op = (
+                per_op: list[Sequence[Waitable]] = (
                     [[work] for work in works] if len(works) == len(ops) else [works] * len(ops)
                 )
-            elif match_mode() == "tag":
-                per_op = [[self._issue(op, op.tag)] for op in ops]
+            elif match_mode() == "order":
+                per_op = list(self._issue_by_order(ops))
             else:
-                per_op = self._issue_by_order(ops)
+                per_op = self._issue_by_tag_or_mailbox(ops)
         except CollectiveError:
             raise
         except Exception as exc:
@@ -333,6 +343,46 @@ class PeerToPeer:
             )
             for op, works in zip(ops, per_op, strict=True)
         ]
+
+    def abandon_posted(self, reason: str) -> None:
+        """A step failed with messages of :meth:`post_in_order` outstanding: tell the peers
+        on this machine (their waits on this rank raise at once, quoting ``reason``). Peers
+        reached over the network learn it only through their own timeouts."""
+        if self._mailbox is not None:
+            self._mailbox.abandon(reason)
+
+    def _issue_by_tag_or_mailbox(self, ops: Sequence[P2POp]) -> list[Sequence[Waitable]]:
+        """Gloo's default: messages to peers on this machine through the mailbox
+        (``shm_mailbox.py``), the rest by tag."""
+        box = self._mailbox
+        if box is None and self.pairs is not None:
+            box = self._mailbox = Mailbox(self.pairs.sibling("m", MAILBOX_SLOTS), self._name)
+        per_op: list[Sequence[Waitable]] = []
+        boxed: list[MailboxMessage] = []
+        for op in ops:
+            if box is not None and box.carries(op.peer, op.tensor):
+                boxed.append(self._mailbox_message(box, op))
+                per_op.append([boxed[-1]])
+            else:
+                per_op.append([self._issue(op, op.tag)])
+        if boxed:
+            box.post(boxed)  # type: ignore[union-attr]
+        return per_op
+
+    def _mailbox_message(self, box: Mailbox, op: P2POp) -> MailboxMessage:
+        data = op.tensor.reshape(-1).view(torch.uint8)
+        entry = op.entry()
+        if op.kind == "send":
+            return MailboxMessage(box, "send", op.peer, encode_header(entry), data, None, entry)
+        me, peer = self._name(self.rank), self._name(op.peer)
+
+        def check(received: torch.Tensor) -> None:
+            problem = mismatch_message(me, peer, entry, received, what="messages", why=_ORDER_WHY)
+            if problem is not None:
+                raise CollectiveError(problem)
+
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        return MailboxMessage(box, "recv", op.peer, header, data, check, entry)
 
     def _issue(self, op: P2POp, tag: int) -> dist.Work:
         fn = dist.isend if op.kind == "send" else dist.irecv
@@ -381,8 +431,7 @@ class PeerToPeer:
             op.entry(),
             header,
             what="messages",
-            why=" (pipeline messages match by order: the two ranks posted them in different "
-            "orders)",
+            why=_ORDER_WHY,
         )
         if problem is not None:
             raise CollectiveError(problem)

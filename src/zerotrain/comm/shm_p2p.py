@@ -53,7 +53,7 @@ _LINE = 64  # control bytes per side: one cache line
 _CELL = 512  # bytes per header cell (p2p.HEADER_BYTES)
 _DATA_START = 4096  # control lines and cells fit in the first page
 # int64 fields of a side's control line
-_PID, _HEADERS, _POSTED, _CONSUMED, _HEARTBEAT, _NAMESPACE = 0, 1, 2, 3, 4, 5
+_PID, _HEADERS, _POSTED, _CONSUMED, _HEARTBEAT, _NAMESPACE, _ABANDONED = 0, 1, 2, 3, 4, 5, 6
 _PEER_CHECK_S = 0.1
 
 #: Messages of at least this many bytes go through the channel (below: the backend). Chosen
@@ -213,29 +213,70 @@ class PairChannel(liveness.Tickable):
             return None
         return self._cell(1 - self.side, self.headers - 1).clone()
 
+    def free_slots(self) -> int:
+        """Slots this side may write now (the peer consumed what was in them)."""
+        return self.settings.slots - (self.posted - self._peer(_CONSUMED))
+
+    def ready_chunks(self) -> int:
+        """Chunks the peer posted that this side has not read yet."""
+        return self._peer(_POSTED) - self.consumed
+
+    def next_write_slot(self) -> torch.Tensor:
+        """The slot of this side's next chunk (write it, then :meth:`commit_write`)."""
+        return self._slot(self.side, self.posted)
+
+    def commit_write(self) -> None:
+        """Publish the chunk written into :meth:`next_write_slot`."""
+        self.posted += 1
+        self._publish(_POSTED, self.posted)
+
+    def next_read_slot(self) -> torch.Tensor:
+        """The slot of the peer's next unread chunk (read it, then :meth:`commit_read`)."""
+        return self._slot(1 - self.side, self.consumed)
+
+    def commit_read(self) -> None:
+        """Free the slot read from :meth:`next_read_slot` for the peer."""
+        self.consumed += 1
+        self._publish(_CONSUMED, self.consumed)
+
     def send_chunks(self, src: torch.Tensor, done: int) -> int:
         """Copy chunks of ``src`` (uint8) from byte ``done`` into free slots; returns the new
         ``done`` (unchanged when no slot was free)."""
         size = self.settings.slot_bytes
-        while done < src.numel() and self.posted - self._peer(_CONSUMED) < self.settings.slots:
+        while done < src.numel() and self.free_slots() > 0:
             n = min(size, src.numel() - done)
-            self._slot(self.side, self.posted)[:n].copy_(src[done : done + n])
+            self.next_write_slot()[:n].copy_(src[done : done + n])
             done += n
-            self.posted += 1
-            self._publish(_POSTED, self.posted)
+            self.commit_write()
         return done
 
     def recv_chunks(self, dst: torch.Tensor, done: int) -> int:
         """Copy posted chunks into ``dst`` (uint8) from byte ``done``; returns the new
         ``done``."""
         size = self.settings.slot_bytes
-        while done < dst.numel() and self._peer(_POSTED) > self.consumed:
+        while done < dst.numel() and self.ready_chunks() > 0:
             n = min(size, dst.numel() - done)
-            dst[done : done + n].copy_(self._slot(1 - self.side, self.consumed)[:n])
+            dst[done : done + n].copy_(self.next_read_slot()[:n])
             done += n
-            self.consumed += 1
-            self._publish(_CONSUMED, self.consumed)
+            self.commit_read()
         return done
+
+    def abandon(self, reason: str) -> None:
+        """Tell the peer this side gives up on the channel (its streams are out of step
+        from now on), with ``reason`` for its error message (in this side's header cells,
+        which a channel used only for streams leaves free)."""
+        text = reason.encode()[: 2 * _CELL - 1]
+        cells = self._bytes[2 * _LINE + 2 * self.side * _CELL :][: 2 * _CELL]
+        cells.zero_()
+        cells[: len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+        self._publish(_ABANDONED, 1)
+
+    def peer_abandoned(self) -> str | None:
+        """The reason the peer gave up on the channel, None while it has not."""
+        if self._peer(_ABANDONED) == 0:
+            return None
+        cells = self._bytes[2 * _LINE + 2 * (1 - self.side) * _CELL :][: 2 * _CELL]
+        return bytes(cells.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 @dataclass
@@ -343,6 +384,21 @@ class ShmPairs:
         self._heard: dict[int, tuple[int, float]] = {}  # peer -> (heartbeat, when it moved)
         self._channels: dict[int, PairChannel] = {}
 
+    def sibling(self, suffix: str, slots: int) -> ShmPairs:
+        """Channels to the same peers under other names, with ``slots`` slots per
+        direction: streams independent of this set's (the pipeline's mailbox keeps messages
+        in flight across calls, which must not interleave with :meth:`run`'s)."""
+        return ShmPairs(
+            rank=self.rank,
+            world_size=self.world_size,
+            token=self.token + suffix,
+            pids=self.pids,
+            tags=self.tags,
+            local=self.local,
+            settings=PairSettings(self.settings.min_bytes, self.settings.slot_bytes, slots),
+            timeout=self.timeout,
+        )
+
     def is_local(self, peer: int) -> bool:
         """Whether ``peer`` can be reached through shared memory."""
         return self.local[peer]
@@ -353,6 +409,10 @@ class ShmPairs:
         return (
             self.local[peer] and tensor.device.type == "cpu" and nbytes >= self.settings.min_bytes
         )
+
+    def opened_peers(self) -> list[int]:
+        """The peers whose channel this rank has mapped."""
+        return list(self._channels)
 
     @property
     def open_channels(self) -> int:
@@ -366,7 +426,7 @@ class ShmPairs:
         # (shm.remove_stale_segments).
         return stale_sweepable_name(self.tags[lo], f"p2p{self.token}-{lo}-{hi}")
 
-    def _channel(self, peer: int) -> PairChannel | None:
+    def channel(self, peer: int) -> PairChannel | None:
         """The channel with ``peer``: created at once by the lower rank; opened by the higher
         one when it exists (None until then)."""
         channel = self._channels.get(peer)
@@ -419,7 +479,7 @@ class ShmPairs:
         while True:
             moved = False
             for p in pending:
-                channel = p.channel or self._channel(p.work.peer)
+                channel = p.channel or self.channel(p.work.peer)
                 if channel is None:
                     continue
                 if p.channel is None:
@@ -452,21 +512,27 @@ class ShmPairs:
 
     def _check_peers(self, pending: Sequence[_Progress], now: float) -> None:
         for p in pending:
-            peer, waited = p.work.peer, now - p.last_moved
-            state = self._state(peer, p.channel)
-            if state is not None and _gone(state):
-                raise PeerStalledError(peer, p.stage, True, waited)
-            if p.channel is not None and p.channel.peer_opened:
-                beat = p.channel.peer_heartbeat()
-                heard = self._heard.get(peer)
-                if heard is None or heard[0] != beat:
-                    self._heard[peer] = (beat, now)
-                elif now - heard[1] >= self._silence:
-                    silent = (
-                        f"no heartbeat for {now - heard[1]:.0f} s; the process is "
-                        f"{state or 'in another PID namespace'}; "
-                        f"ZEROTRAIN_HEARTBEAT_TIMEOUT={self._silence:g}"
-                    )
-                    raise PeerStalledError(peer, p.stage, False, waited, silent)
-            if waited >= self.timeout:
-                raise PeerStalledError(peer, p.stage, False, waited)
+            self.check_peer(p.work.peer, p.channel, p.stage, now - p.last_moved, now)
+
+    def check_peer(
+        self, peer: int, channel: PairChannel | None, stage: str, waited: float, now: float
+    ) -> None:
+        """Raise :class:`PeerStalledError` when ``peer``, which this rank has waited for
+        ``waited`` seconds, exited, fell silent or is late past the timeout."""
+        state = self._state(peer, channel)
+        if state is not None and _gone(state):
+            raise PeerStalledError(peer, stage, True, waited)
+        if channel is not None and channel.peer_opened:
+            beat = channel.peer_heartbeat()
+            heard = self._heard.get(peer)
+            if heard is None or heard[0] != beat:
+                self._heard[peer] = (beat, now)
+            elif now - heard[1] >= self._silence:
+                silent = (
+                    f"no heartbeat for {now - heard[1]:.0f} s; the process is "
+                    f"{state or 'in another PID namespace'}; "
+                    f"ZEROTRAIN_HEARTBEAT_TIMEOUT={self._silence:g}"
+                )
+                raise PeerStalledError(peer, stage, False, waited, silent)
+        if waited >= self.timeout:
+            raise PeerStalledError(peer, stage, False, waited)

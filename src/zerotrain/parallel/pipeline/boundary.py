@@ -84,12 +84,14 @@ class StageBoundaries:
         for handle, _ in in_flight:
             handle.wait()
 
-    def abandon_step(self) -> None:
-        """The step failed: keep the sends still in flight (and their tensors, which the
-        backend may still read) without waiting for them; the engine refuses further
-        steps."""
+    def abandon_step(self, reason: str) -> None:
+        """The step failed with ``reason``: keep the sends still in flight (and their
+        tensors, which the backend may still read) without waiting for them, and tell the
+        peers on this machine, whose waits on this rank then raise at once quoting
+        ``reason`` (``Communicator.abandon_posted``); the engine refuses further steps."""
         self._abandoned += self._in_flight
         self._in_flight = []
+        self.comm.abandon_posted(reason)
 
     def _hold(self, handle: Handle, tensors: list[torch.Tensor]) -> None:
         """Keep ``tensors`` until their send completed; finished sends release theirs now,

@@ -145,10 +145,10 @@ class PipelineExecutor:
                     self._release_sent(step, item)
                 else:
                     self._run_action(step, item, backward, reduce_grad)
-        except BaseException:
+        except BaseException as exc:
             # No waiting on the way out: a send whose receiver failed would wait out the
             # timeout, and its error would replace this one.
-            self.boundaries.abandon_step()
+            self.boundaries.abandon_step(f"{type(exc).__name__}: {exc}")
             raise
         self.boundaries.finish_step()
         return step.losses
