@@ -635,7 +635,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.warmup, args.steps, args.p2p_repeats = 1, 1, 2, 3
-    args.models, args.systems = args.models.split(","), args.systems.split(",")
+    args.models = [m for m in args.models.split(",") if m]
+    args.systems = [s for s in args.systems.split(",") if s]  # none: only the p2p table
     if args.micro_batches % 2:
         parser.error("--micro-batches must be even (data parallelism splits it over 2 ranks)")
     specs = {

@@ -235,7 +235,7 @@ def test_mailbox_sends_complete_at_once_and_match_by_order():
 def _mailbox_crossing_messages_larger_than_its_slots() -> list[float]:
     comm = Communicator()
     peer = 1 - comm.rank
-    n = 3 * (1 << 20)  # 12 MiB of float32: more than a direction's 8 slots of 1 MiB
+    n = 3 * (1 << 20)  # 12 MiB of float32: more than a direction's 4 slots of 1 MiB
     mine = torch.arange(n, dtype=torch.float32) + comm.rank
     got = torch.empty(n)
     with _matching("tag"):

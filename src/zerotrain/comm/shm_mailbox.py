@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -43,8 +43,9 @@ from zerotrain.comm import liveness
 from zerotrain.comm.handle import CollectiveError
 from zerotrain.comm.shm_p2p import PairChannel, PeerStalledError, ShmPairs
 
-#: Slots per direction of a mailbox channel: room for several messages in flight.
-MAILBOX_SLOTS = 8
+#: Slots per direction of a mailbox channel (as the exchange channel's: 8 MiB a pair at the
+#: default 1 MiB slots, which matters under a small /dev/shm such as Docker's 64 MB).
+MAILBOX_SLOTS = 4
 _CHECK_S = 0.1  # seconds between looks at a silent peer's state while waiting
 _SPINS = 64  # polls before a waiting rank starts yielding its core
 
@@ -98,9 +99,15 @@ class MailboxMessage:
         return True
 
 
-def _overlap(start: int, length: int, pos: int, size: int) -> tuple[int, int] | None:
-    lo, hi = max(start, pos), min(start + length, pos + size)
-    return (lo, hi) if lo < hi else None
+def _spans(message: MailboxMessage, n: int) -> Iterator[tuple[torch.Tensor, slice, slice]]:
+    """The next ``n`` bytes of ``message`` (header, then data) by part: the part, the
+    slice of it, and the slice of the slot they occupy."""
+    start, pos = message.moved, 0
+    for part in message.parts:
+        lo, hi = max(start, pos), min(start + n, pos + part.numel())
+        if lo < hi:
+            yield part, slice(lo - pos, hi - pos), slice(lo - start, hi - start)
+        pos += part.numel()
 
 
 class Mailbox:
@@ -224,16 +231,11 @@ class Mailbox:
     def _push(self, channel: PairChannel, message: MailboxMessage) -> bool:
         """Copy the next chunks of a send into free slots."""
         moved = False
-        size = channel.settings.slot_bytes
         while message.moved < message.total and channel.free_slots() > 0:
-            n = min(size, message.total - message.moved)
-            slot, pos = channel.next_write_slot(), 0
-            for part in message.parts:
-                span = _overlap(message.moved, n, pos, part.numel())
-                if span is not None:
-                    lo, hi = span
-                    slot[lo - message.moved : hi - message.moved].copy_(part[lo - pos : hi - pos])
-                pos += part.numel()
+            n = min(channel.settings.slot_bytes, message.total - message.moved)
+            slot = channel.next_write_slot()
+            for part, in_part, in_slot in _spans(message, n):
+                slot[in_slot].copy_(part[in_part])
             message.moved += n
             channel.commit_write()
             moved = True
@@ -243,19 +245,14 @@ class Mailbox:
         """Copy the next posted chunks of a receive out of the slots, checking the header
         before any data lands."""
         moved = False
-        size = channel.settings.slot_bytes
         header = message.parts[0]
         while message.moved < message.total and channel.ready_chunks() > 0:
-            n = min(size, message.total - message.moved)
-            slot, pos = channel.next_read_slot(), 0
-            for part in message.parts:
-                span = _overlap(message.moved, n, pos, part.numel())
-                if span is not None:
-                    lo, hi = span
-                    part[lo - pos : hi - pos].copy_(slot[lo - message.moved : hi - message.moved])
-                    if part is header and hi == header.numel() and message.check is not None:
-                        message.check(header)
-                pos += part.numel()
+            n = min(channel.settings.slot_bytes, message.total - message.moved)
+            slot = channel.next_read_slot()
+            for part, in_part, in_slot in _spans(message, n):
+                part[in_part].copy_(slot[in_slot])
+                if part is header and in_part.stop == header.numel() and message.check:
+                    message.check(header)
             message.moved += n
             channel.commit_read()
             moved = True
