@@ -98,17 +98,19 @@ def _launched_during_backward(zero_stage: int) -> dict:
     return {"launched": launched}
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_interleaved_per_microbatch_reductions_start_during_backward(zero_stage):
     """P7 (review 2026-11-28): the syncing backward (the rank's lowest stage) waited on the
     first unit in reduction order, a higher chunk's, which gets no gradient in that pass,
     so no reduction started before the end of backward. Now the other chunk's units are
-    launched at once, and this chunk's as its gradients complete. (Stage 3 launches a
-    unit when every outstanding forward pass of it has run backward, which in a pipeline
-    is the step's last micro-batch: no overlap there yet, with or without this.)"""
+    launched at once, and this chunk's as its gradients complete. Stage 3 also waited for
+    every outstanding forward pass (the other micro-batches in flight) to run backward
+    through a unit, where a pipeline's backward reaches one pass; and behind the tied
+    embedding, first in unit order, which only the end of backward reports done (its
+    input, token ids, needs no gradient): it now launches last."""
     for rank, got in enumerate(run_distributed(_launched_during_backward, 4, zero_stage)):
-        # Stage 2 reduces once per micro-batch; stage 1 keeps whole gradients, once a step.
-        assert len(got["launched"]) == {1: 1, 2: 4}[zero_stage], (rank, got)
+        # Stages 2-3 reduce once per micro-batch; stage 1 keeps whole gradients, once a step.
+        assert len(got["launched"]) == {1: 1, 2: 4, 3: 4}[zero_stage], (rank, got)
         for before_end, units in got["launched"]:
             assert before_end > units // 2, (rank, got)  # was 0 in every pass
 

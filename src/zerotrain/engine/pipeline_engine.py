@@ -83,6 +83,7 @@ class PipelineEngine(Engine):
             if not group.owner:
                 self.strategy.exclude_from_norm(self.strategy.units_under(group.prefix))
         self._elsewhere = _parameters_of_other_chunks(self.module)
+        self.strategy.backward_reaches_one_pass()  # each backward: one micro-batch's chunk
 
     # -- DeepSpeed's pipeline queries ---------------------------------------------------------
 

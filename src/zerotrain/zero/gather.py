@@ -127,7 +127,16 @@ class ParamGatherer:
         self._passes: weakref.WeakSet[ForwardPass] = weakref.WeakSet()
         self._recording: ForwardPass | None = None
         self.on_backward_done: Callable[[int], None] | None = None
+        # Units called with no input that needs a gradient: no module backward signals
+        # them, so only the end of backward reports them done (launched last).
+        self.unsignalled: set[int] = set()
         self.reshard_after_backward = True
+        # Set by a pipeline, whose every backward starts from one micro-batch's outputs:
+        # the passes outstanding when a backward begins that it does not reach add no
+        # gradient in it, so a unit's reduction waits only for the passes it reaches (and
+        # those it creates: recomputation under activation checkpointing).
+        self.one_pass_per_backward = False
+        self._not_this_backward: weakref.WeakSet[ForwardPass] = weakref.WeakSet()
         self._held: set[int] = set()  # gathered for backward, kept (reshard_after_backward off)
         self._user_pins = 0  # GatheredParameters blocks open
         self.live_bytes = 0
@@ -309,7 +318,8 @@ class ParamGatherer:
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not where:
-            return None  # no signal from this call: its unit is done at the end of backward
+            self.unsignalled.add(u)  # no signal from this call: done at the end of backward
+            return None
         record = self._recording
         if record is None:  # a unit called outside the model's forward: a pass of its own
             record = self._new_pass()
@@ -327,6 +337,12 @@ class ParamGatherer:
         self._passes.add(record)
         return record
 
+    def begin_backward(self) -> None:
+        """A backward pass begins: with ``one_pass_per_backward``, note the passes
+        outstanding now (those it does not reach keep no reduction waiting)."""
+        if self.one_pass_per_backward:
+            self._not_this_backward = weakref.WeakSet(self._passes)
+
     def _post_backward(self, record: ForwardPass, u: int) -> None:
         if record not in self._passes:
             return  # a pass retired already (a graph kept with retain_graph, run again)
@@ -335,12 +351,18 @@ class ParamGatherer:
         if record.signals[u] != record.calls[u]:
             return
         # This pass is done with the unit: free it (another outstanding pass gathers it
-        # again if it needs it). Its reduction waits until every outstanding pass is done:
-        # a later pass of the same backward may still add gradients to it.
+        # again if it needs it). Its reduction waits until every outstanding pass is done
+        # (a later pass of the same backward may still add gradients to it), or with
+        # ``one_pass_per_backward`` every pass this backward reached or created.
         self.free(u)
-        if self.on_backward_done is not None and all(
-            p.signals[u] == p.calls[u] for p in self._passes
-        ):
+        if self.on_backward_done is None or u in self.unsignalled:
+            return  # a call of it without a signal may still add gradients
+        waiting = [
+            p
+            for p in self._passes
+            if not self.one_pass_per_backward or p.reached or p not in self._not_this_backward
+        ]
+        if all(p.signals[u] == p.calls[u] for p in waiting):
             self.on_backward_done(u)
 
     def end_backward(self) -> None:

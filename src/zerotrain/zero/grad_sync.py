@@ -80,7 +80,11 @@ class GradientSynchronizer:
         self._done = [False] * len(self.units)
         self._remaining = [0] * len(self.units)
         self._ready: list[set[int]] = [set() for _ in self.units]
-        self._next = 0
+        self._next = 0  # position in ``_order`` of the next unit to launch
+        # Launch order: unit order, but units that only end_backward can report done go last
+        # (``launch_last``); the same on every rank.
+        self._order = list(range(len(self.units)))
+        self._position = list(range(len(self.units)))
         self._handles: list[Handle] = []
         self._syncing = False
         self._final = False
@@ -108,6 +112,19 @@ class GradientSynchronizer:
                     on_grad = functools.partial(_on_grad, me, u, i)
                     self._hooks.append(param.register_post_accumulate_grad_hook(on_grad))
                     self._hooks.append(param.register_hook(functools.partial(_before_grad, me)))
+
+    def launch_last(self, units: set[int]) -> None:
+        """Launch ``units`` after every other unit: nothing reports them done before the end
+        of backward (stage 3: a unit called with no input that needs a gradient has no
+        module backward to signal it), so in their place in unit order they held back
+        every unit behind them. Every rank must give the same set."""
+        order = [u for u in range(len(self.units)) if u not in units] + sorted(units)
+        if order == self._order:
+            return
+        invariant(not self._in_backward, "launch order changed during backward")
+        self._order = order
+        for position, u in enumerate(order):
+            self._position[u] = position
 
     def begin_backward(self, boundary: bool, requires_sync: bool = True) -> None:
         """Arm the hooks for one backward pass (``boundary``: last micro-step of a window;
@@ -146,7 +163,7 @@ class GradientSynchronizer:
         if not self._in_backward:
             return  # another engine's (or a plain) backward: the gradient stays in .grad
         unit = self.units[u]
-        if self._syncing and u < self._next:
+        if self._syncing and self._position[u] < self._next:
             name = unit.buffer.layout.params[i].fqn
             raise RuntimeError(
                 f"gradient of '{name}' arrived after its bucket was already reduced in this "
@@ -161,7 +178,7 @@ class GradientSynchronizer:
         if self._remaining[u] == 0 and self.on_complete is not None:
             self.on_complete(u)
         if self.launch_when_complete:
-            while self._next < len(self.units) and self._remaining[self._next] == 0:
+            while self._next < len(self.units) and self._remaining[self._order[self._next]] == 0:
                 self._launch_next()
 
     def mark_done(self, u: int) -> None:
@@ -169,7 +186,7 @@ class GradientSynchronizer:
         if not self._syncing:
             return
         self._done[u] = True
-        while self._next < len(self.units) and self._done[self._next]:
+        while self._next < len(self.units) and self._done[self._order[self._next]]:
             self._launch_next()
 
     def _acquire_staging(self, pool: StagingPool | None) -> torch.Tensor:
@@ -190,7 +207,7 @@ class GradientSynchronizer:
             pending[0].wait()  # its completion returns a buffer to the pool
 
     def _launch_next(self) -> None:
-        unit = self.units[self._next]
+        unit = self.units[self._order[self._next]]
         staging = functools.partial(self._acquire_staging, unit.pool)
         handle = issue(self.comm, unit.launch_reduce(final=self._final, staging=staging))
         self._next += 1

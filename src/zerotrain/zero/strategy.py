@@ -290,7 +290,18 @@ class ZeroStrategy:
         self._drop_outside_grads_if_zeroed()
         for unit in self.units:
             unit.attach_grads()
+        if self.gatherer is not None:
+            self.gatherer.begin_backward()
+            self.sync.launch_last(self.gatherer.unsignalled)
         self.sync.begin_backward(boundary, requires_sync=self._requires_sync and not self._local)
+
+    def backward_reaches_one_pass(self) -> None:
+        """Every backward from now on starts from the outputs of one forward pass (a
+        pipeline's micro-batch): at stage 3 a unit's reduction starts once the passes that
+        backward reaches are done with it, not after every outstanding forward pass ran its
+        backward (with 1F1B's micro-batches in flight, that was the end of backward)."""
+        if self.gatherer is not None:
+            self.gatherer.one_pass_per_backward = True
 
     def expect_no_gradient(self, params: Sequence[torch.Tensor]) -> None:
         """The next backward pass reaches none of ``params`` on any rank (layers dropped
