@@ -3,7 +3,8 @@
 A real training process with its optimizer states swapped to files: SIGTERM (a scheduler
 cancelling the job) removes its swap directory before the process ends; after SIGKILL the
 directory stays, and the next job using the same path removes it (its process is gone),
-with a log line, while a live job's directory is left alone.
+with a log line, while a live job's directory is left alone. Under ``zerotrain run`` the
+launcher removes the directory of a rank killed outright as soon as the job ends (issue 42).
 """
 
 from __future__ import annotations
@@ -81,3 +82,43 @@ def test_a_killed_jobs_directory_is_swept_by_the_next(tmp_path: Path):
     finally:
         live.kill()
         live.wait(timeout=30)
+
+
+_KILLED_RANK = textwrap.dedent(
+    """
+    import os, signal, sys, torch, zerotrain
+    from zerotrain.examples.gpt import GPT, GPTConfig
+    engine, *_ = zerotrain.initialize(
+        model=GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]},
+            },
+        },
+    )
+    x = torch.randint(0, 256, (2, 17))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    engine.step()
+    os.kill(os.getpid(), signal.SIGKILL)  # no chance to clean up, as under the OOM killer
+    """
+)
+
+
+def test_zerotrain_run_removes_a_killed_ranks_swap_directory(tmp_path: Path):
+    script, root = tmp_path / "train.py", tmp_path / "swap"
+    script.write_text(_KILLED_RANK)
+    root.mkdir()
+    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "ZEROTRAIN_DEVICE": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerotrain.cli.main", "run", "-n", "1", str(script), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr  # the rank was killed
+    assert _swap_dirs(root) == [], proc.stderr
+    assert "left by a rank that ended" in proc.stderr, proc.stderr

@@ -9,11 +9,14 @@ that records a failing rank's traceback so torchrun's summary shows it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -304,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     os.environ.update(plan.env)
     try:
-        torchrun(get_args_parser().parse_args(plan.torchrun_args))
+        with _swap_directories_removed_at_the_end():
+            torchrun(get_args_parser().parse_args(plan.torchrun_args))
     except ChildFailedError as err:
         print(err, file=sys.stderr)  # torchrun's table, with each recorded traceback
         rank, failure = root_cause(err.failures)
@@ -315,6 +319,23 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _swap_directories_removed_at_the_end() -> Iterator[None]:
+    """The ranks note their NVMe swap directories in a registry of this launcher's; when
+    they have ended, however they ended (a rank killed outright cannot clean up), the
+    directories left are removed (``offload/swap.py``)."""
+    from zerotrain.offload.swap import REGISTRY_ENV, remove_registered_swap_directories
+
+    with tempfile.TemporaryDirectory(prefix="zerotrain-run-swaps-") as registry:
+        os.environ[REGISTRY_ENV] = registry
+        try:
+            yield
+        finally:
+            del os.environ[REGISTRY_ENV]
+            for path in remove_registered_swap_directories(Path(registry)):
+                print(f"zerotrain run: removed {path}, left by a rank that ended", file=sys.stderr)
 
 
 # Failures that are consequences of another rank's failure, not causes.

@@ -348,6 +348,52 @@ _OPEN_DIRECTORIES: set[SwapDirectory] = set()
 _STALE_AFTER = 60.0  # seconds untouched before a dead owner's directory is swept
 
 
+#: Where ``zerotrain run`` asks its ranks to note their swap directories (one file per
+#: directory, holding its path), so that it can remove them when the ranks end, however they
+#: end (SIGKILL and the OOM killer leave no chance to clean up).
+REGISTRY_ENV = "ZEROTRAIN_SWAP_REGISTRY"
+
+
+def _remove_swap_directory(path: Path) -> None:
+    """Remove ``path``'s ``*.swp`` files and then the directory (left, with an OSError,
+    if anything else is in it)."""
+    for swap in path.glob("*.swp"):
+        swap.unlink()
+    path.rmdir()
+
+
+def _register(path: Path) -> None:
+    """Note ``path`` in the launcher's registry, when there is one."""
+    registry = os.environ.get(REGISTRY_ENV)
+    if not registry:
+        return
+    try:
+        (Path(registry) / path.name).write_text(str(path))
+    except OSError as error:  # the launcher's sweep then misses it; the next job sweeps it
+        log.warning("could not note swap directory %s in %s: %s", path, registry, error)
+
+
+def remove_registered_swap_directories(registry: Path) -> list[Path]:
+    """Remove the swap directories noted in ``registry`` (by ranks started with
+    :data:`REGISTRY_ENV` set to it) whose process is gone; returns those removed (each
+    logged). Run by ``zerotrain run`` once its ranks ended."""
+    removed = []
+    for entry in sorted(Path(registry).iterdir()):
+        path = Path(entry.read_text())
+        owner = path.name[len(_SWAP_PREFIX) :].split("-")[-3]  # <host>-<tag>-rank<r>-<random>
+        if not liveness.tag_owner_gone(owner):
+            continue  # still running (a rank torchrun did not end): its own exit removes it
+        try:
+            if path.is_dir():
+                _remove_swap_directory(path)
+                log.info("removed swap directory %s (its rank ended without removing it)", path)
+                removed.append(path)
+            entry.unlink()
+        except OSError as error:
+            log.warning("could not remove the swap directory %s: %s", path, error)
+    return removed
+
+
 def remove_stale_swap_directories(root: Path) -> list[Path]:
     """Remove swap directories under ``root`` whose owner is gone: made on this host, in
     this PID namespace, by a process that no longer exists (killed, SIGKILL or a crash,
@@ -362,9 +408,7 @@ def remove_stale_swap_directories(root: Path) -> list[Path]:
                 continue
             if time.time() - path.stat().st_mtime < _STALE_AFTER:
                 continue
-            for swap in path.glob("*.swp"):
-                swap.unlink()
-            path.rmdir()
+            _remove_swap_directory(path)
         except OSError as error:
             log.warning("could not remove the stale swap directory %s: %s", path, error)
             continue
@@ -436,6 +480,7 @@ class SwapDirectory:
             raise SwapError(
                 f"rank {rank}: cannot create a swap directory in {root}: {error}"
             ) from error
+        _register(self.path)
         self.rank = rank
         self.io = io
         self._files: dict[str, SwapFile] = {}
