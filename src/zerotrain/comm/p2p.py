@@ -172,14 +172,12 @@ def encode_header(text: str) -> torch.Tensor:
     of the text as fits (the CRC decides a match; the text is for the error message)."""
     raw = text.encode()
     packed = _MAGIC + zlib.crc32(raw).to_bytes(4, "little") + raw[: HEADER_BYTES - _TEXT_START]
-    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    header[: len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-    return header
+    return torch.frombuffer(bytearray(packed.ljust(HEADER_BYTES, b"\0")), dtype=torch.uint8)
 
 
 def decode_header(header: torch.Tensor) -> tuple[int, str] | None:
     """``(crc, text)`` of an encoded header, or None if it is not one."""
-    raw = bytes(header.tolist())
+    raw = header.numpy().tobytes()
     if raw[: len(_MAGIC)] != _MAGIC:
         return None
     crc = int.from_bytes(raw[len(_MAGIC) : _TEXT_START], "little")
