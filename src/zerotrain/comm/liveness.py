@@ -103,25 +103,35 @@ class _Beater:
 
     def __init__(self) -> None:
         self._ticks: weakref.WeakSet[Tickable] = weakref.WeakSet()
-        self._store: tuple[dist.Store, str] | None = None
+        self._store: tuple[dist.Store, str, threading.Lock] | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._stop = threading.Event()
 
     def add(self, target: Tickable) -> None:
+        self._forget_if_forked()
         with self._lock:
             self._ticks.add(target)
         self._start()
 
-    def watch_store(self, store: dist.Store, rank: int) -> None:
+    def watch_store(self, store: dist.Store, rank: int, lock: threading.Lock) -> None:
+        """Tick ``rank``'s counter in ``store``, a client that other threads use under
+        ``lock`` (a client is not safe for concurrent use)."""
+        self._forget_if_forked()
         with self._lock:
-            self._store = (store, f"{_STORE_PREFIX}{rank}")
+            self._store = (store, f"{_STORE_PREFIX}{rank}", lock)
         self._start()
 
-    def _start(self) -> None:
-        if self._pid != os.getpid():  # a forked child: the parent's thread is not ours
+    def _forget_if_forked(self) -> None:
+        """In a forked child, start afresh: the parent's thread is not ours, nor are its
+        targets. Before registering anything: resetting after (as ``_start`` once did)
+        dropped what was just registered, and a forked rank's first target (the job's
+        store) was never ticked, so after a gloo failure every peer looked silent."""
+        if self._pid != os.getpid():
             self.__init__()  # type: ignore[misc]
+
+    def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(
@@ -156,8 +166,9 @@ class _Beater:
         for target in targets:
             target.tick()
         if store is not None:
-            with contextlib.suppress(Exception):  # the store's host may be gone
-                store[0].add(store[1], 1)
+            client, key, lock = store
+            with lock, contextlib.suppress(Exception):  # the store's host may be gone
+                client.add(key, 1)
 
 
 class Tickable:
@@ -187,7 +198,7 @@ class StoreHeartbeats:
         self.store = store
         self.rank = rank
         self._lock = threading.Lock()
-        _BEATER.watch_store(store, rank)
+        _BEATER.watch_store(store, rank, self._lock)
 
     def _counts(self, ranks: Sequence[int]) -> list[int] | None:
         try:
