@@ -52,9 +52,10 @@ WORLD = 2
 STEPS = 6
 SAVE_AFTER = (0, 2, 4)  # checkpoints after these steps: global_step1, 3 and 5
 HEARTBEAT_TIMEOUT = 2.0  # shared memory: a silent peer is named after this
-COMM_TIMEOUT = 5.0  # gloo: a collective waiting on a stopped peer fails after this
+COMM_TIMEOUT = 30.0  # gloo: long, so that a stopped peer must be named by the watchdog
 HEARTBEAT_WINDOW = 2.0  # gloo: after a failure, peers silent this long are named
 SLACK = 5.0  # scheduling on a loaded 2-core machine
+WATCHDOG_POLLS = 2.0  # gloo: the peer watchdog starts a second into a wait and polls each second
 
 MODEL = dataclasses.replace(TINY, dropout=0.1)  # random streams must resume exactly too
 
@@ -187,7 +188,9 @@ def _detection_limit(shm: bool, kind: str) -> float:
         return HEARTBEAT_TIMEOUT + SLACK
     if kind == "kill":  # gloo sees the closed connection at once, then the heartbeat window
         return HEARTBEAT_WINDOW + SLACK
-    return COMM_TIMEOUT + HEARTBEAT_WINDOW + SLACK
+    # The peer watchdog (on by default, at the heartbeat timeout): silence measured from a
+    # second into the wait, read every second.
+    return HEARTBEAT_TIMEOUT + WATCHDOG_POLLS + SLACK
 
 
 def _check_survivors(outcome: JobOutcome, plan: Plan, shm: bool) -> list[float]:
@@ -202,14 +205,18 @@ def _check_survivors(outcome: JobOutcome, plan: Plan, shm: bool) -> list[float]:
     for rank in outcome.ranks:
         if rank.rank == plan.rank:
             continue
-        assert rank.status == "error", (
+        # Over gloo a stopped peer is named by the peer watchdog, which ends the waiting
+        # rank (exit code 75; its wait cannot be interrupted) with the message in its log.
+        watchdog = not shm and plan.kind == "stop"
+        ended = (rank.status, rank.exitcode) if watchdog else (rank.status, None)
+        assert ended == (("died", 75) if watchdog else ("error", None)), (
             f"rank {rank.rank} {rank.status} after the fault at {where}:\n{rank.value}\n"
             f"{rank.output}"
         )
-        named = {int(r) for m in _NAMED.findall(rank.value) for r in m.split(",")}
+        said = rank.output if watchdog else rank.value
+        named = {int(r) for m in _NAMED.findall(said) for r in m.split(",")}
         assert named == {plan.rank}, (
-            f"rank {rank.rank} named {sorted(named)}, not [{plan.rank}] (fault at {where}):"
-            f"\n{rank.value}"
+            f"rank {rank.rank} named {sorted(named)}, not [{plan.rank}] (fault at {where}):\n{said}"
         )
         assert rank.exited, f"rank {rank.rank} reported but did not exit:\n{rank.output}"
         seconds = rank.reported_at - fired_at

@@ -25,6 +25,7 @@ written; a disk that fills up anyway is reported the same way.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import time
@@ -48,6 +49,7 @@ from zerotrain.checkpoint.merge import merge_indexes, write_index
 from zerotrain.checkpoint.plan import build_plan
 from zerotrain.checkpoint.safetensors_io import StreamingWriter, TensorSpec
 from zerotrain.checkpoint.state import TrainState
+from zerotrain.comm import liveness
 from zerotrain.comm.agreement import disagreements, failed_ranks, filesystem_needs
 from zerotrain.comm.collectives import CollectiveError, Communicator
 from zerotrain.utils.logging import get_logger
@@ -247,6 +249,33 @@ def save_checkpoint(
     started = time.perf_counter()
     leader = placement.global_rank == 0
 
+    # A rank ended by the peer watchdog mid-save (a peer stopped answering) removes the
+    # partial directory on its way out, as a raised error would have.
+    with liveness.undone_if_given_up(functools.partial(shutil.rmtree, partial, True)):
+        _save_into(state, world, root, partial, final, tag, client_state, keep_last, leader)
+    if leader:
+        total = sum(p.stat().st_size for p in final.iterdir())
+        log.info(
+            "saved checkpoint %s (%s in %.2f s)",
+            final,
+            f"{total / 2**20:.1f} MiB",
+            time.perf_counter() - started,
+        )
+    return str(final)
+
+
+def _save_into(
+    state: TrainState,
+    world: Communicator,
+    root: Path,
+    partial: Path,
+    final: Path,
+    tag: str,
+    client_state: Any,
+    keep_last: int | None,
+    leader: bool,
+) -> None:
+    """Write the checkpoint into ``partial`` on every rank, then commit it as ``final``."""
     error: BaseException | None = None
     if leader:
         try:
@@ -274,15 +303,6 @@ def save_checkpoint(
         except Exception as exc:
             error = exc
     _agree_or_discard(world, error, f"writing the manifest of {final}", partial, leader)
-    if leader:
-        total = sum(p.stat().st_size for p in final.iterdir())
-        log.info(
-            "saved checkpoint %s (%s in %.2f s)",
-            final,
-            f"{total / 2**20:.1f} MiB",
-            time.perf_counter() - started,
-        )
-    return str(final)
 
 
 def _commit(root: Path, partial: Path, final: Path, tag: str, checksum: str) -> None:

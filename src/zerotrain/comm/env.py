@@ -354,7 +354,7 @@ def _start_heartbeats(env: DistEnv) -> None:
         # methods give no store to read heartbeats from.
         if silence is not None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             short = datetime.timedelta(seconds=min(silence, 10.0))
-            liveness.PeerWatchdog(
+            liveness.start_peer_watchdog(
                 env.rank, env.world_size, lambda: liveness.store_client(short), silence
             )
 

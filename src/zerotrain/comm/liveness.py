@@ -279,18 +279,50 @@ def waiting() -> Iterator[None]:
 
 def peer_timeout() -> float | None:
     """``ZEROTRAIN_PEER_TIMEOUT``: seconds a peer's heartbeat in the job's store may stand
-    still, while this rank waits for a collective, before this rank gives up on the job
-    (None: unset, no watchdog; ``zerotrain run`` sets 60 for multi-host jobs)."""
-    raw = os.environ.get("ZEROTRAIN_PEER_TIMEOUT")
+    still, while this rank waits for a collective, before this rank gives up on the job.
+    Unset: the heartbeat timeout (``ZEROTRAIN_HEARTBEAT_TIMEOUT``, 10 s), as shared memory
+    names a silent peer; ``zerotrain run`` sets 60 for multi-host jobs; ``0`` or ``off``:
+    no watchdog (None).
+
+    Raises:
+        ValueError: not a number, or under 2 seconds.
+    """
+    raw = os.environ.get("ZEROTRAIN_PEER_TIMEOUT", "").strip().lower()
     if not raw:
+        return heartbeat_timeout()
+    if raw in ("0", "off"):
         return None
-    value = float(raw)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
     if value < 2:
-        raise ValueError(f"ZEROTRAIN_PEER_TIMEOUT must be >= 2 seconds, got {raw!r}")
+        raise ValueError(
+            f"ZEROTRAIN_PEER_TIMEOUT must be a number of seconds >= 2, or 0 / off to turn the "
+            f"watchdog off; got {raw!r}"
+        )
     return value
 
 
+_ON_GIVE_UP: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def undone_if_given_up(undo: Callable[[], None]) -> Iterator[None]:
+    """Run ``undo`` if the peer watchdog ends this process inside the block: it exits
+    without unwinding, so what a raised error would have cleaned up (a checkpoint's
+    partial directory) is cleaned up here."""
+    _ON_GIVE_UP.append(undo)
+    try:
+        yield
+    finally:
+        _ON_GIVE_UP.remove(undo)
+
+
 def _give_up(message: str) -> None:
+    for undo in reversed(_ON_GIVE_UP):
+        with contextlib.suppress(Exception):
+            undo()
     log.error("%s", message)
     for handler in log.handlers:
         with contextlib.suppress(Exception):
@@ -355,6 +387,7 @@ class PeerWatchdog:
             if not _WAITING or now - _WAITING[0] < 1.0:
                 changed.clear()  # silence is measured within one blocked wait
                 unreachable_since = None
+                store = None  # its connection closes: none is held between long waits
                 continue
             try:
                 fresh = store is None
@@ -382,13 +415,33 @@ class PeerWatchdog:
                 return
             silent = [r for r, (_, at) in changed.items() if now - at >= self.timeout]
             if silent:
+                # Exits: gloo's wait cannot be interrupted, and a raise would leave the
+                # collective pending, so that the process could not end before the
+                # collective timeout either (its group waits for it at exit).
                 self._give_up(
-                    f"rank(s) {silent} sent no heartbeat for {self.timeout:.0f} s while this "
-                    "rank waits for a collective: their host died or was cut off; this rank "
-                    "exits instead of waiting out the collective timeout "
-                    "(ZEROTRAIN_PEER_TIMEOUT)"
+                    f"Rank(s) {silent} stopped answering (no heartbeat for "
+                    f"{self.timeout:.0f} s while this rank waits for a collective): they "
+                    "died, were stopped (SIGSTOP), hang with the interpreter locked, or their "
+                    "host was cut off; this rank exits instead of waiting out the collective "
+                    "timeout (ZEROTRAIN_PEER_TIMEOUT; 0 turns this off)"
                 )
                 return
+
+
+_WATCHDOG: PeerWatchdog | None = None
+
+
+def start_peer_watchdog(
+    rank: int, world_size: int, make_store: Callable[[], dist.Store | None], timeout: float
+) -> PeerWatchdog:
+    """This process's one :class:`PeerWatchdog`, for the job now starting (one started for
+    an earlier job of this process, a test pool's, is stopped: it reads another store)."""
+    global _WATCHDOG
+    if _WATCHDOG is not None:
+        _WATCHDOG.stop()
+        atexit.unregister(_WATCHDOG.stop)
+    _WATCHDOG = PeerWatchdog(rank, world_size, make_store, timeout)
+    return _WATCHDOG
 
 
 def store_client(timeout: datetime.timedelta) -> dist.Store | None:

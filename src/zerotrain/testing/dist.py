@@ -415,7 +415,8 @@ class RankOutcome:
 
     ``status`` is "ok" (``value`` is its result), "error" (``value`` is its traceback),
     "died" (ended without reporting: killed, crashed), "stopped" (SIGSTOP) or "hung"
-    (still running at the deadline). ``reported_at`` is the ``time.time()`` of its report;
+    (still running at the deadline). ``reported_at`` is the ``time.time()`` of its report
+    (of its death being seen, for "died");
     ``exited`` whether its process had ended by itself before the harness killed what was
     left.
     """
@@ -498,7 +499,11 @@ def _await_all(
             if not p.is_alive():
                 # A result still in the pipe arrives within moments of the exit.
                 if now - gone_since.setdefault(r, now) > 1.0:
-                    outcomes[r] = RankOutcome(r, "died", exitcode=p.exitcode, exited=True)
+                    # When its death was seen (``time.time()``, as reports carry).
+                    seen = time.time() - (now - gone_since[r])
+                    outcomes[r] = RankOutcome(
+                        r, "died", exitcode=p.exitcode, exited=True, reported_at=seen
+                    )
             elif liveness.process_state(p.pid).startswith("stopped"):  # type: ignore[arg-type]
                 outcomes[r] = RankOutcome(r, "stopped")
     for r in range(world_size):

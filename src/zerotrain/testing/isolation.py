@@ -45,7 +45,8 @@ from zerotrain.utils.torch_compat import active_mode_counts
 # Threads that live as long as the process by design, started by the first test that needs
 # them: zerotrain's heartbeat (one per process, comm/liveness.py), tqdm's progress-bar
 # monitor (one per process, started with the first bar).
-PROCESS_THREADS = ("zerotrain-heartbeat", "tqdm_monitor")
+# One per process by design: the heartbeat, and the peer watchdog (replaced per job).
+PROCESS_THREADS = ("zerotrain-heartbeat", "zerotrain-watchdog", "tqdm_monitor")
 # Installed once per process by design: NVMe offload's swap clean-up on SIGTERM.
 PROCESS_SIGNAL_HANDLERS = (swap._close_open_directories_on_sigterm,)
 ZEROTRAIN_GROUP_PREFIX = "zerotrain:"
