@@ -108,3 +108,26 @@ def test_a_stopped_rank_is_named_within_the_heartbeat_timeout_under_plain_torchr
     seconds = named[0][0] - max(waiting)
     print(f"stopped rank named after {seconds:.1f} s (heartbeat timeout 3 s)")
     assert seconds < 3 + 5, output  # the timeout, the watchdog's 1 s polls, a loaded machine
+
+
+def _slow_peer() -> str:
+    comm = Communicator()
+    comm.all_reduce(torch.ones(4), purpose="warm-up")
+    if comm.rank == 1:
+        time.sleep(6)  # alive and ticking, but late: rank 0's collective times out first
+        return ""
+    try:
+        comm.all_reduce(torch.ones(4), purpose="gradients")
+    except CollectiveError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_failure_no_heartbeat_explains_says_it_cannot_tell():
+    message = (
+        run_to_the_end(_slow_peer, 2, timeout=60, comm_timeout=2, env={"ZEROTRAIN_SHM": "0"})
+        .ranks[0]
+        .value
+    )
+    assert "cannot be told from here" in str(message), message
+    assert "stopped answering" not in str(message), message

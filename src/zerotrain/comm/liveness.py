@@ -244,7 +244,8 @@ def start_store_heartbeats(
 
 def explain_failure(ranks: Sequence[int], window: float | None = None) -> str:
     """After a collective over ``ranks`` (global) failed: which of them stopped answering,
-    as a sentence ('' when nothing can be said)."""
+    as a sentence; that none did, when every heartbeat moved (nothing can be told then);
+    '' without a store."""
     if _STORE is None:
         return ""
     # A live rank ticks every INTERVAL: five ticks missed is silence worth naming.
@@ -256,7 +257,11 @@ def explain_failure(ranks: Sequence[int], window: float | None = None) -> str:
             "0's, or the launcher's) is probably gone."
         )
     if not silent:
-        return ""
+        return (
+            f" Every other rank's heartbeat moved within {window:.0f} s, so which rank failed "
+            "cannot be told from here: one may have raised and left its collectives, or the "
+            "ranks took different code paths; see the other ranks' output."
+        )
     return (
         f" Rank(s) {silent} stopped answering (no heartbeat for {window:.0f} s): they died, "
         "were stopped (SIGSTOP) or hang with the interpreter locked."
