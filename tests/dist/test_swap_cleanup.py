@@ -19,9 +19,11 @@ from pathlib import Path
 
 from zerotrain.offload.swap import remove_stale_swap_directories
 
-_JOB = textwrap.dedent(
+# One optimizer step with its states swapped to files under sys.argv[1]; each job adds how
+# it ends.
+_SWAPPED_STEP = textwrap.dedent(
     """
-    import sys, time, torch, zerotrain
+    import os, signal, sys, time, torch, zerotrain
     from zerotrain.examples.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     engine, *_ = zerotrain.initialize(
@@ -38,10 +40,9 @@ _JOB = textwrap.dedent(
     x = torch.randint(0, 256, (2, 17))
     engine.backward(engine(x[:, :-1], x[:, 1:]))
     engine.step()
-    print("ready", flush=True)
-    time.sleep(120)
     """
 )
+_JOB = _SWAPPED_STEP + 'print("ready", flush=True)\ntime.sleep(120)\n'
 
 
 def _start(root: Path) -> subprocess.Popen[str]:
@@ -84,27 +85,8 @@ def test_a_killed_jobs_directory_is_swept_by_the_next(tmp_path: Path):
         live.wait(timeout=30)
 
 
-_KILLED_RANK = textwrap.dedent(
-    """
-    import os, signal, sys, torch, zerotrain
-    from zerotrain.examples.gpt import GPT, GPTConfig
-    engine, *_ = zerotrain.initialize(
-        model=GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)),
-        config={
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {
-                "stage": 2,
-                "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]},
-            },
-        },
-    )
-    x = torch.randint(0, 256, (2, 17))
-    engine.backward(engine(x[:, :-1], x[:, 1:]))
-    engine.step()
-    os.kill(os.getpid(), signal.SIGKILL)  # no chance to clean up, as under the OOM killer
-    """
-)
+# No chance to clean up, as under the OOM killer.
+_KILLED_RANK = _SWAPPED_STEP + "os.kill(os.getpid(), signal.SIGKILL)\n"
 
 
 def test_zerotrain_run_removes_a_killed_ranks_swap_directory(tmp_path: Path):
