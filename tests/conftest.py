@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.helpers.faults import DETECTIONS
 from zerotrain.testing import dist as dist_testing
 from zerotrain.testing.pool import POOLS
 
@@ -81,6 +82,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     jobs = ", ".join(
         f"{n} {how} at world size {ws}" for (how, ws), n in sorted(dist_testing.JOBS.items())
     )
+    if DETECTIONS:
+        terminalreporter.write_sep("-", "fault injection: lost rank named after (tests/faults)")
+        for line in DETECTIONS:
+            terminalreporter.write_line(line)
     terminalreporter.write_line(
         f"suite wall time: {wall:.0f} s ({wall / 60:.1f} min); worker pools started: "
         f"{POOLS.started}; multi-process jobs: {jobs or 'none'}"

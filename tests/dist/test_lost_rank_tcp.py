@@ -1,6 +1,8 @@
-"""A rank killed outright over gloo TCP (``ZEROTRAIN_SHM=0``, what every multi-host job
-uses) is named by the survivors, and no survivor is named with it; a rank stopped with
-SIGSTOP is named within the heartbeat timeout under plain torchrun (issue 42).
+"""A rank lost over gloo TCP (``ZEROTRAIN_SHM=0``, what every multi-host job uses) is named
+by the survivors, with its host, and no survivor is named with it (issue 42): killed outright
+(``/proc`` says it exited), ended by an uncaught exception or by SIGTERM while blocked in a
+collective (its exit marker says how), a zombie and a rank stopped with SIGSTOP under plain
+torchrun (within the heartbeat timeout).
 
 Found: in a rank started by ``fork`` (this suite's jobs; Python's default start method on
 Linux) the heartbeat thread forgot the job's store as soon as it was registered, so after
@@ -11,14 +13,19 @@ answering" on rank 0 when only rank 1 had died).
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from zerotrain.comm import liveness
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.handle import CollectiveError
 from zerotrain.testing.dist import run_to_the_end
@@ -42,14 +49,152 @@ def test_survivors_name_the_killed_rank_and_only_it():
         _one_rank_killed, 3, timeout=60, comm_timeout=20, env={"ZEROTRAIN_SHM": "0"}
     )
     assert outcome.ranks[1].status == "died", outcome
+    host = socket.gethostname()
     for rank in (0, 2):
         message = str(outcome.ranks[rank].value)
-        assert "Rank(s) [1] stopped answering" in message, (rank, message)
+        assert f"Rank(s) [1] exited: rank 1 (host {host}, pid " in message, (rank, message)
+        assert "its process exited" in message, (rank, message)
+        assert "stopped answering" not in message, (rank, message)
+
+
+# Ranks started as plain processes (no launcher agent that would end the survivors as soon
+# as one rank exits), each printing its pid, then what its failed collective said.
+_THREE_RANKS = """
+import os, sys, time, torch, zerotrain
+import torch.distributed as dist
+from zerotrain.comm import liveness
+from zerotrain.comm.collectives import Communicator
+from zerotrain.comm.handle import CollectiveError
+zerotrain.init_distributed()
+comm = Communicator()
+comm.all_reduce(torch.ones(4), purpose="warm-up")
+rank, scenario = dist.get_rank(), os.environ["SCENARIO"]
+print(f"pid {os.getpid()}", flush=True)
+if rank == 1 and scenario == "raise":
+    raise ValueError("bad batch")
+if rank == 2 and scenario == "sigterm":
+    time.sleep(6)  # rank 1 waits for it inside gloo (in C) when SIGTERM arrives
+try:
+    comm.all_reduce(torch.ones(4), purpose="gradients")
+    print("no error", flush=True)
+except CollectiveError as err:
+    print(f"named: {err}", flush=True)
+time.sleep(30)  # rank 0 hosts the store, which the others still read; the test ends them
+"""
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return {**env, "ZEROTRAIN_SHM": "0", "OMP_NUM_THREADS": "1", **extra}
+
+
+class _Lines:
+    """A process's output lines as they come, with when each came."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(
+            target=lambda: self.lines.extend((time.monotonic(), x) for x in proc.stdout),  # type: ignore[union-attr]
+            daemon=True,
+        )
+        self._reader.start()
+
+    def until(self, found: Callable[[str], bool], timeout: float) -> tuple[float, str] | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hit = next(((t, x) for t, x in list(self.lines) if found(x)), None)
+            if hit is not None:
+                return hit
+            time.sleep(0.05)
+        return None
+
+    def text(self) -> str:
+        return "".join(x for _, x in self.lines)
+
+
+def _three_plain_ranks(tmp_path: Path, scenario: str) -> list[subprocess.Popen[str]]:
+    script = tmp_path / "job.py"
+    script.write_text(_THREE_RANKS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_environment(
+                SCENARIO=scenario,
+                RANK=str(rank),
+                WORLD_SIZE="3",
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                ZEROTRAIN_COMM_TIMEOUT="60",
+            ),
+        )
+        for rank in range(3)
+    ]
+
+
+def _named_lines(procs: list[subprocess.Popen[str]], lines: list[_Lines]) -> list[str]:
+    said = []
+    for rank in (0, 2):
+        hit = lines[rank].until(lambda x: x.startswith(("named: ", "no error")), 60)
+        assert hit is not None, lines[rank].text()
+        said.append(hit[1])
+    return said
+
+
+def test_a_rank_that_raised_is_named_with_its_exception(tmp_path):
+    procs = _three_plain_ranks(tmp_path, "raise")
+    try:
+        lines = [_Lines(p) for p in procs]
+        said = _named_lines(procs, lines)
+    finally:
+        for proc in procs:
+            proc.kill()
+    pid = lines[1].until(lambda x: x.startswith("pid "), 1)
+    assert pid is not None, lines[1].text()
+    who = f"rank 1 (host {socket.gethostname()}, pid {pid[1].split()[1]})"
+    for message in said:
+        assert f"Rank(s) [1] exited: {who}: its exit marker says: exited after an uncaught " in (
+            message
+        ), message
+        assert "ValueError: bad batch" in message, message
+
+
+def test_a_rank_sigtermed_inside_a_collective_ends_at_once_and_is_named(tmp_path):
+    """The exit marker is written even though rank 1's main thread is blocked in gloo,
+    where Python's own handler would not run: SIGTERM still ends it at once, as it did
+    without a handler (killed by the signal, not an exit code)."""
+    procs = _three_plain_ranks(tmp_path, "sigterm")
+    try:
+        lines = [_Lines(p) for p in procs]
+        assert lines[1].until(lambda x: x.startswith("pid "), 60), lines[1].text()
+        time.sleep(1.0)  # inside the all-reduce, waiting for rank 2
+        sent = time.monotonic()
+        procs[1].send_signal(signal.SIGTERM)
+        code = procs[1].wait(timeout=10)
+        ended = time.monotonic() - sent
+        said = _named_lines(procs, lines)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert code == -signal.SIGTERM, (code, lines[1].text())
+    assert ended < 2.0, ended
+    for message in said:
+        assert "Rank(s) [1] exited: rank 1 (host " in message, message
+        assert "its exit marker says: killed by SIGTERM" in message, message
 
 
 _STOPPED_UNDER_TORCHRUN = """
 import os, signal, time, torch, zerotrain
 import torch.distributed as dist
+from zerotrain.comm import liveness
 from zerotrain.comm.collectives import Communicator
 zerotrain.init_distributed()
 comm = Communicator()
@@ -131,3 +276,63 @@ def test_a_failure_no_heartbeat_explains_says_it_cannot_tell():
     )
     assert "cannot be told from here" in str(message), message
     assert "stopped answering" not in str(message), message
+
+
+_ZOMBIE_UNDER_TORCHRUN = """
+import os, time, torch, zerotrain
+import torch.distributed as dist
+from zerotrain.comm import liveness
+from zerotrain.comm.collectives import Communicator
+from zerotrain.comm.handle import CollectiveError
+zerotrain.init_distributed()
+comm = Communicator()
+comm.all_reduce(torch.ones(4), purpose="warm-up")
+print(f"pid {dist.get_rank()} {os.getpid()}", flush=True)
+if dist.get_rank() == 1:
+    time.sleep(120)  # killed here by the test
+try:
+    comm.all_reduce(torch.ones(4), purpose="gradients")
+except CollectiveError as err:
+    print(f"named: {err}", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_zombie_rank_is_named_within_the_heartbeat_timeout_under_plain_torchrun(tmp_path):
+    """Rank 1 killed while torchrun's agent is stopped, so that nobody reaps it: a zombie
+    still has a process id (and had no chance to write an exit marker). Rank 0 names it
+    from ``/proc`` as soon as gloo reports the closed connection."""
+    script = tmp_path / "job.py"
+    script.write_text(_ZOMBIE_UNDER_TORCHRUN)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    job = subprocess.Popen(
+        [*command, "--nproc-per-node=2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_environment(ZEROTRAIN_HEARTBEAT_TIMEOUT="3", ZEROTRAIN_COMM_TIMEOUT="120"),
+        start_new_session=True,
+    )
+    lines = _Lines(job)
+    try:
+        # Both ranks write to one pipe: their lines may run together.
+        assert lines.until(lambda x: re.search(r"pid 1 \d+\D", x) is not None, 60), lines.text()
+        victim = int(re.findall(r"pid 1 (\d+)", lines.text())[0])
+        time.sleep(0.5)  # rank 0 is in its all-reduce
+        os.kill(job.pid, signal.SIGSTOP)  # the agent: it would reap rank 1, and end rank 0
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        named = lines.until(lambda x: "named: " in x, 30)
+        state = liveness.process_state(victim)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    assert state == "a zombie (exited, not reaped)", state
+    assert named is not None, lines.text()
+    assert (
+        f"Rank(s) [1] exited: rank 1 (host {socket.gethostname()}, pid {victim}): " in (named[1])
+    ), named[1]
+    assert "its process is a zombie (exited, not reaped)" in named[1], named[1]
+    seconds = named[0] - killed
+    print(f"zombie rank named after {seconds:.1f} s (heartbeat timeout 3 s)")
+    assert seconds < 3, lines.text()

@@ -101,8 +101,12 @@ def test_a_stopped_rank_is_named_by_its_silent_heartbeat_in_shared_memory():
 
 @pytest.mark.parametrize("how", ["exit", "stop"])
 def test_a_dead_or_stopped_rank_is_named_over_gloo(how):
-    # gloo alone says "connection closed by peer" or "timed out"; the heartbeats in the
-    # job's store name the rank. A stopped rank is found at the collective timeout.
+    # gloo alone says "connection closed by peer" or "timed out"; /proc (same machine) and
+    # the heartbeats in the job's store name the rank. A stopped rank is found at the
+    # collective timeout here (shorter than the peer watchdog's).
     seconds, message = _detected(how, {"ZEROTRAIN_SHM": "0"}, comm_timeout=8)
-    assert "Rank(s) [1] stopped answering" in message, message
+    named = "exited" if how == "exit" else "stopped answering"
+    assert f"Rank(s) [1] {named}: rank 1 (host " in message, message
+    state = "its process exited" if how == "exit" else "its process is stopped (SIGSTOP)"
+    assert state in message, message
     assert seconds < (12 if how == "exit" else 20), seconds

@@ -1,4 +1,5 @@
-"""Real faults for the failure-handling tests: a small filesystem that fills up."""
+"""Real faults for the failure-handling tests: a small filesystem that fills up; and the
+fault-injection suite's detection times, printed at the end of the run."""
 
 from __future__ import annotations
 
@@ -30,3 +31,14 @@ def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# One line per fault-injection cell that ran: what was lost and how soon the survivors
+# named it (tests/conftest.py prints them in the run's summary, so CI's log has them).
+DETECTIONS: list[str] = []
+
+
+def report_detection(line: str) -> None:
+    """Record (and print, for ``-s`` runs) one cell's detection time."""
+    DETECTIONS.append(line)
+    print(line)

@@ -354,8 +354,14 @@ def _start_heartbeats(env: DistEnv) -> None:
         # methods give no store to read heartbeats from.
         if silence is not None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             short = datetime.timedelta(seconds=min(silence, 10.0))
+            # NCCL: the host never waits inside zerotrain (the device does), so the
+            # watchdog reads the heartbeats all along, not only during a blocked wait.
             liveness.start_peer_watchdog(
-                env.rank, env.world_size, lambda: liveness.store_client(short), silence
+                env.rank,
+                env.world_size,
+                lambda: liveness.store_client(short),
+                silence,
+                only_while_waiting=env.backend != "nccl",
             )
 
 

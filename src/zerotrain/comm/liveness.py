@@ -24,19 +24,25 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
+from zerotrain.comm import departures
 from zerotrain.utils.logging import get_logger
 
 log = get_logger(__name__)
 
 INTERVAL = 0.5  # seconds between ticks
+# After a failure, how long heartbeats are watched for the ranks that markers and /proc
+# could not account for: a live rank ticks four times in it.
+LOOK = 4 * INTERVAL
 _STORE_PREFIX = "zerotrain/heartbeat/"
 
 
@@ -103,7 +109,7 @@ class _Beater:
 
     def __init__(self) -> None:
         self._ticks: weakref.WeakSet[Tickable] = weakref.WeakSet()
-        self._store: tuple[dist.Store, str, threading.Lock] | None = None
+        self._store: tuple[dist.Store, str, threading.Lock, Callable[[], None]] | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -115,12 +121,19 @@ class _Beater:
             self._ticks.add(target)
         self._start()
 
-    def watch_store(self, store: dist.Store, rank: int, lock: threading.Lock) -> None:
+    def watch_store(
+        self,
+        store: dist.Store,
+        rank: int,
+        lock: threading.Lock,
+        after_tick: Callable[[], None] = lambda: None,
+    ) -> None:
         """Tick ``rank``'s counter in ``store``, a client that other threads use under
-        ``lock`` (a client is not safe for concurrent use)."""
+        ``lock`` (a client is not safe for concurrent use); ``after_tick`` runs after each
+        tick, without the lock (it takes it itself)."""
         self._forget_if_forked()
         with self._lock:
-            self._store = (store, f"{_STORE_PREFIX}{rank}", lock)
+            self._store = (store, f"{_STORE_PREFIX}{rank}", lock, after_tick)
         self._start()
 
     def _forget_if_forked(self) -> None:
@@ -166,9 +179,10 @@ class _Beater:
         for target in targets:
             target.tick()
         if store is not None:
-            client, key, lock = store
+            client, key, lock, after_tick = store
             with lock, contextlib.suppress(Exception):  # the store's host may be gone
                 client.add(key, 1)
+            after_tick()
 
 
 class Tickable:
@@ -186,6 +200,45 @@ def beat_for(target: Tickable) -> None:
     _BEATER.add(target)
 
 
+class StoreStalledError(RuntimeError):
+    """A store request did not answer in time (its host is stopped or unreachable)."""
+
+
+class Bounded:
+    """Runs store requests on a helper thread with a deadline: a TCPStore client waits
+    without limit for a store whose host is stopped (SIGSTOP) or cut off without a reset,
+    whatever its timeout says (found: ``check`` on a stopped store never returned). One
+    request at a time: while one is stuck, the next fails at once instead of adding
+    another stuck thread."""
+
+    def __init__(self) -> None:
+        self._stuck: threading.Thread | None = None
+
+    def __call__(self, request: Callable[[], Any], seconds: float) -> Any:
+        """``request()``, or :class:`StoreStalledError` after ``seconds``; its own error when
+        it raises."""
+        if self._stuck is not None and self._stuck.is_alive():
+            raise StoreStalledError("an earlier store request is still waiting")
+        outcome: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, request()))
+            except BaseException as error:  # handed to the caller
+                outcome.append((False, error))
+
+        thread = threading.Thread(target=run, name="zerotrain-store-request", daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if not outcome:
+            self._stuck = thread
+            raise StoreStalledError(f"the store did not answer within {seconds:.0f} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
 class StoreHeartbeats:
     """This job's heartbeats in the rendezvous store (one counter per global rank).
 
@@ -198,7 +251,10 @@ class StoreHeartbeats:
         self.store = store
         self.rank = rank
         self._lock = threading.Lock()
-        _BEATER.watch_store(store, rank, self._lock)
+        self.records = departures.StoreRecords(store, rank, self._lock)
+        self.records.record_self()
+        departures.mark_on_exit(self.records)
+        _BEATER.watch_store(store, rank, self._lock, self.records.learn_neighbours)
 
     def _counts(self, ranks: Sequence[int]) -> list[int] | None:
         try:
@@ -238,34 +294,73 @@ def start_store_heartbeats(
         store = None
         with contextlib.suppress(Exception):
             store = make_store()
+            if store is not None:
+                # Connected: from now on each request may wait only briefly, so that after a
+                # failure a stopped store host (torchrun's agent) costs seconds, not the
+                # collective timeout, and /proc can still be asked (``look_locally``).
+                store.set_timeout(datetime.timedelta(seconds=LOOK + 1))
         _STORE = StoreHeartbeats(store, rank) if store is not None else None
     return _STORE
 
 
 def explain_failure(ranks: Sequence[int], window: float | None = None) -> str:
-    """After a collective over ``ranks`` (global) failed: which of them stopped answering,
-    as a sentence; that none did, when every heartbeat moved (nothing can be told then);
-    '' without a store."""
-    if _STORE is None:
+    """After a collective over ``ranks`` (global) failed: which of them are gone, as
+    sentences naming each with its host. Exit markers and ``/proc`` (same machine) answer at
+    once; the ranks they cannot account for are named when their heartbeat stands still
+    for ``window`` seconds (default :data:`LOOK`, ended early once every one moved). Says
+    so when no rank can be blamed; '' without a store."""
+    store = _STORE
+    if store is None:
         return ""
-    # A live rank ticks every INTERVAL: five ticks missed is silence worth naming.
-    window = window if window is not None else min(heartbeat_timeout(), 5 * INTERVAL)
-    silent = _STORE.silent(ranks, window)
+    others = [r for r in ranks if r != store.rank]
+    window = window if window is not None else min(heartbeat_timeout(), LOOK)
+    bounded = Bounded()
+    reachable = True
+    try:
+        seen = bounded(lambda: departures.look(store.records, others), LOOK)
+    except Exception:
+        reachable = False
+        seen = departures.look_locally(store.records, others)
+    unknown = [r for r in others if r not in {**seen.exited, **seen.stopped}]
+    silent: list[int] | None = []
+    if unknown and reachable:
+        try:
+            silent = bounded(lambda: store.silent(unknown, window), window + LOOK)
+        except Exception:
+            silent = None
     if silent is None:
-        return (
-            " The job's rendezvous store cannot be reached: the host running it (global rank "
-            "0's, or the launcher's) is probably gone."
+        reachable, silent = False, []
+    sentences = []
+    if seen.exited:
+        sentences.append(_named("exited", seen.exited, seen.whois))
+    if seen.stopped:
+        sentences.append(_named("stopped answering", seen.stopped, seen.whois))
+    if silent:
+        labels = ", ".join(departures.label(r, seen.whois) for r in silent)
+        sentences.append(
+            f" Rank(s) {silent} stopped answering (no heartbeat for {window:.0f} s): "
+            f"{labels}; they died, were stopped (SIGSTOP), hang with the interpreter locked, "
+            "or their host was cut off."
         )
-    if not silent:
+    if not reachable:
+        sentences.append(
+            " The job's rendezvous store cannot be reached: the host running it (global rank "
+            "0's, or the launcher's) is probably gone or stopped."
+        )
+    if not sentences:
         return (
             f" Every other rank's heartbeat moved within {window:.0f} s, so which rank failed "
             "cannot be told from here: one may have raised and left its collectives, or the "
             "ranks took different code paths; see the other ranks' output."
         )
-    return (
-        f" Rank(s) {silent} stopped answering (no heartbeat for {window:.0f} s): they died, "
-        "were stopped (SIGSTOP) or hang with the interpreter locked."
-    )
+    return "".join(sentences)
+
+
+def _named(what: str, how: dict[int, str], whois: dict[int, departures.Whois]) -> str:
+    """`` Rank(s) [1] exited: rank 1 (host a, pid 7): its process is a zombie.``"""
+    ranks = sorted(how)
+    details = "; ".join(f"{departures.label(r, whois)}: {how[r]}" for r in ranks)
+    return f" Rank(s) {ranks} {what}: {details}."
 
 
 # Start times of the collective waits in progress on this process (``waiting()``).
@@ -325,6 +420,7 @@ def undone_if_given_up(undo: Callable[[], None]) -> Iterator[None]:
 
 
 def _give_up(message: str) -> None:
+    departures.mark_exit(f"{departures.GAVE_UP}: {message}")
     for undo in reversed(_ON_GIVE_UP):
         with contextlib.suppress(Exception):
             undo()
@@ -336,23 +432,35 @@ def _give_up(message: str) -> None:
 
 
 class PeerWatchdog:
-    """Ends this rank when it has waited for a collective for ``timeout`` seconds and a
-    peer's heartbeat has stood still as long (its host died or was cut off without a TCP
-    reset), or the job's store has been unreachable as long. Without it such a wait lasts
-    the collective timeout (``ZEROTRAIN_COMM_TIMEOUT``, 10 minutes by default); with it,
-    the collective timeout can stay long for legitimately slow collectives, which keep
-    every peer ticking. Only a blocked wait counts: a peer that finished and exited while
-    this rank works on alone is no reason to stop. The store is read only during waits
-    longer than a second, one request per poll (``multi_get``), so a large job does not
-    load it while it trains. Silence is judged over all ranks of the job, not the blocked
-    collective's group (a subgroup's collective waiting on a slow peer while an unrelated
-    rank has exited normally would be misjudged; not seen in zerotrain's own groups).
+    """Ends this rank when a peer is gone and this rank would otherwise wait for it until
+    the collective timeout (``ZEROTRAIN_COMM_TIMEOUT``, 10 minutes by default): a peer whose
+    heartbeat has stood still for ``timeout`` seconds (its host died or was cut off without
+    a TCP reset; a stopped process), or a store unreachable as long. The collective timeout
+    can then stay long for legitimately slow collectives, which keep every peer ticking.
+
+    Two modes:
+
+    - ``only_while_waiting`` (gloo): only a blocked wait counts (``waiting()``), so a peer
+      that finished and exited while this rank works on alone is no reason to stop; the
+      store is read only during waits longer than a second, one request per poll
+      (``multi_get``), so a large job does not load it while it trains;
+    - otherwise (NCCL, where the host never waits inside zerotrain: NCCL's kernels do, on
+      the device): the store is read every second; a peer silent for ``timeout`` seconds
+      without a clean exit marker, or one whose exit marker says it was killed or raised
+      (``departures.py``), ends this rank at once.
+
+    Messages name each lost rank with its host. Silence is judged over all ranks of the
+    job, not the blocked collective's group (a subgroup's collective waiting on a slow peer
+    while an unrelated rank has exited normally would be misjudged; not seen in
+    zerotrain's own groups).
 
     Args:
         rank / world_size: this rank and the job's size (global).
         make_store: a new client of the job's store (its own connection, short timeout).
         timeout: seconds of silence that end the job.
-        give_up: called with the message (default: log it and exit with code 75).
+        give_up: called with the message (default: mark this rank's exit, log the message
+            and exit with code 75).
+        only_while_waiting: the mode (above).
     """
 
     def __init__(
@@ -362,11 +470,15 @@ class PeerWatchdog:
         make_store: Callable[[], dist.Store | None],
         timeout: float,
         give_up: Callable[[str], None] = _give_up,
+        only_while_waiting: bool = True,
     ) -> None:
+        self.rank = rank
         self.others = [r for r in range(world_size) if r != rank]
         self._make_store = make_store
         self.timeout = timeout
         self._give_up = give_up
+        self.only_while_waiting = only_while_waiting
+        self._bounded = Bounded()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zerotrain-watchdog", daemon=True)
         self._thread.start()
@@ -377,38 +489,51 @@ class PeerWatchdog:
         self._stop.set()
 
     def _counts(self, store: dist.Store, fresh: bool) -> list[int]:
-        keys = [f"{_STORE_PREFIX}{r}" for r in self.others]
+        """The others' heartbeat counters, then the job's count of exit markers."""
+        keys = [f"{_STORE_PREFIX}{r}" for r in self.others] + [departures.EXITS_COUNTER]
         if fresh:  # a get waits for a missing key: create any a rank has not ticked yet
             for key in keys:
                 store.add(key, 0)
         return [int(value) for value in store.multi_get(keys)]
 
+    def _watching(self, now: float) -> bool:
+        if not self.only_while_waiting:
+            return True
+        return bool(_WAITING) and now - _WAITING[0] >= 1.0
+
+    def _blocked(self, now: float) -> bool:
+        if not self.only_while_waiting:
+            return True
+        return bool(_WAITING) and now - _WAITING[0] >= self.timeout
+
     def _run(self) -> None:
         store: dist.Store | None = None
         changed: dict[int, tuple[int, float]] = {}
+        exits_seen = 0
+        whois: dict[int, departures.Whois] = {}
         unreachable_since: float | None = None
         while not self._stop.wait(1.0):
             now = time.monotonic()
-            if not _WAITING or now - _WAITING[0] < 1.0:
+            if not self._watching(now):
                 changed.clear()  # silence is measured within one blocked wait
                 unreachable_since = None
                 store = None  # its connection closes: none is held between long waits
                 continue
             try:
                 fresh = store is None
-                store = store if store is not None else self._make_store()
-                counts = self._counts(store, fresh) if store is not None else None
+                store = store if store is not None else self._bounded(self._make_store, LOOK)
+                read = functools.partial(self._counts, store, fresh)
+                counts = self._bounded(read, LOOK) if store is not None else None
             except Exception:
                 store, counts = None, None
             if counts is None:
                 unreachable_since = unreachable_since if unreachable_since else now
             else:
                 unreachable_since = None
-                for r, count in zip(self.others, counts, strict=True):
+                for r, count in zip(self.others, counts[:-1], strict=True):
                     if changed.get(r, (None, 0.0))[0] != count:
                         changed[r] = (count, now)
-            blocked = bool(_WAITING) and now - _WAITING[0] >= self.timeout
-            if not blocked:
+            if not self._blocked(now):
                 continue
             if unreachable_since is not None and now - unreachable_since >= self.timeout:
                 self._give_up(
@@ -418,26 +543,76 @@ class PeerWatchdog:
                     "(ZEROTRAIN_PEER_TIMEOUT)"
                 )
                 return
+            if store is None or counts is None:
+                continue
             silent = [r for r, (_, at) in changed.items() if now - at >= self.timeout]
-            if silent:
-                # Exits: gloo's wait cannot be interrupted, and a raise would leave the
-                # collective pending, so that the process could not end before the
-                # collective timeout either (its group waits for it at exit).
-                self._give_up(
-                    f"Rank(s) {silent} stopped answering (no heartbeat for "
-                    f"{self.timeout:.0f} s while this rank waits for a collective): they "
-                    "died, were stopped (SIGSTOP), hang with the interpreter locked, or their "
-                    "host was cut off; this rank exits instead of waiting out the collective "
-                    "timeout (ZEROTRAIN_PEER_TIMEOUT; 0 turns this off)"
-                )
+            ended: dict[int, str] = {}
+            if counts[-1] != exits_seen or silent:
+                exits_seen = counts[-1]
+                try:
+                    ended, silent, whois = self._bounded(
+                        functools.partial(self._judge, store, silent), LOOK
+                    )
+                except Exception:
+                    continue  # the store went away mid-read: the next poll says so
+            if ended or silent:
+                self._give_up(self._message(ended, silent, whois))
                 return
+
+    def _judge(
+        self, store: dist.Store, silent: list[int]
+    ) -> tuple[dict[int, str], list[int], dict[int, departures.Whois]]:
+        """Exit markers decide: a clean exit is not a loss (the rank finished), nor is a
+        peer's watchdog giving up (a survivor that judged the same loss: naming it would
+        hide the rank actually lost); any other marker is, silent or not (NCCL mode; gloo's
+        waits fail on their own there)."""
+        records = departures.StoreRecords(store, self.rank, threading.Lock())
+        exits = records.exits(self.others)
+        ended = {
+            r: how
+            for r, how in exits.items()
+            if how != departures.EXITED_CLEANLY
+            and not how.startswith(departures.GAVE_UP)
+            and (r in silent or not self.only_while_waiting)
+        }
+        silent = [r for r in silent if r not in exits]
+        return ended, silent, records.whois(sorted({*ended, *silent}))
+
+    def _message(
+        self, ended: dict[int, str], silent: list[int], whois: dict[int, departures.Whois]
+    ) -> str:
+        # The rank exits: gloo's wait cannot be interrupted, and a raise would leave the
+        # collective pending, so that the process could not end before the collective
+        # timeout either (its group waits for it at exit).
+        parts = []
+        if ended:
+            details = "; ".join(
+                f"{departures.label(r, whois)}: its exit marker says: {ended[r]}"
+                for r in sorted(ended)
+            )
+            parts.append(f"Rank(s) {sorted(ended)} exited: {details}.")
+        if silent:
+            labels = ", ".join(departures.label(r, whois) for r in silent)
+            parts.append(
+                f"Rank(s) {silent} stopped answering (no heartbeat for {self.timeout:.0f} s "
+                f"while this rank waits for a collective): {labels}; they died, were stopped "
+                "(SIGSTOP), hang with the interpreter locked, or their host was cut off."
+            )
+        return (
+            " ".join(parts) + " This rank exits instead of waiting out the collective timeout "
+            "(ZEROTRAIN_PEER_TIMEOUT; 0 turns this off)."
+        )
 
 
 _WATCHDOG: PeerWatchdog | None = None
 
 
 def start_peer_watchdog(
-    rank: int, world_size: int, make_store: Callable[[], dist.Store | None], timeout: float
+    rank: int,
+    world_size: int,
+    make_store: Callable[[], dist.Store | None],
+    timeout: float,
+    only_while_waiting: bool = True,
 ) -> PeerWatchdog:
     """This process's one :class:`PeerWatchdog`, for the job now starting (one started for
     an earlier job of this process, a test pool's, is stopped: it reads another store)."""
@@ -445,7 +620,9 @@ def start_peer_watchdog(
     if _WATCHDOG is not None:
         _WATCHDOG.stop()
         atexit.unregister(_WATCHDOG.stop)
-    _WATCHDOG = PeerWatchdog(rank, world_size, make_store, timeout)
+    _WATCHDOG = PeerWatchdog(
+        rank, world_size, make_store, timeout, only_while_waiting=only_while_waiting
+    )
     return _WATCHDOG
 
 

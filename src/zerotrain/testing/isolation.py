@@ -38,17 +38,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.modules.module as module_globals
 
-from zerotrain.comm import shm
+from zerotrain.comm import departures, shm
 from zerotrain.offload import swap
 from zerotrain.utils.torch_compat import active_mode_counts
 
 # Threads that live as long as the process by design, started by the first test that needs
-# them: zerotrain's heartbeat (one per process, comm/liveness.py), tqdm's progress-bar
-# monitor (one per process, started with the first bar).
-# One per process by design: the heartbeat, and the peer watchdog (replaced per job).
-PROCESS_THREADS = ("zerotrain-heartbeat", "zerotrain-watchdog", "tqdm_monitor")
-# Installed once per process by design: NVMe offload's swap clean-up on SIGTERM.
-PROCESS_SIGNAL_HANDLERS = (swap._close_open_directories_on_sigterm,)
+# them: zerotrain's heartbeat and the peer watchdog (one per process, replaced per job;
+# comm/liveness.py), the exit marker's signal reader (comm/departures.py), tqdm's
+# progress-bar monitor (one per process, started with the first bar).
+PROCESS_THREADS = (
+    "zerotrain-heartbeat",
+    "zerotrain-watchdog",
+    "zerotrain-exit-marker",
+    "tqdm_monitor",
+)
+# Installed once per process by design: NVMe offload's swap clean-up on SIGTERM, and the
+# exit marker on SIGTERM and SIGHUP (comm/departures.py).
+PROCESS_SIGNAL_HANDLERS = (
+    swap._close_open_directories_on_sigterm,
+    departures.marked_signal_handler,
+)
 ZEROTRAIN_GROUP_PREFIX = "zerotrain:"
 _SETTLE_S = 2.0
 _SIGNALS = tuple(
