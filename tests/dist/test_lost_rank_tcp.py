@@ -252,7 +252,7 @@ def test_a_stopped_rank_is_named_within_the_heartbeat_timeout_under_plain_torchr
     assert waiting, output
     seconds = named[0][0] - max(waiting)
     print(f"stopped rank named after {seconds:.1f} s (heartbeat timeout 3 s)")
-    assert seconds < 3 + 5, output  # the timeout, the watchdog's 1 s polls, a loaded machine
+    assert seconds < 3 + 2, output  # the timeout, the watchdog's 1 s polls, a loaded machine
 
 
 def _slow_peer() -> str:

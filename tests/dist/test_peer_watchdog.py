@@ -96,7 +96,8 @@ def _watch_store_only_peer(tmp_path: Path, ending: str, watch_s: float) -> tuple
     said: list[str] = []
     watchdog = None
     try:
-        assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
+        assert peer.stdout is not None
+        assert peer.stdout.readline().strip() == "ready"
         watchdog = liveness.PeerWatchdog(
             0,
             2,
@@ -125,14 +126,16 @@ def _watch_store_only_peer(tmp_path: Path, ending: str, watch_s: float) -> tuple
 def test_nccl_mode_names_a_killed_peer_after_the_peer_timeout(tmp_path):
     said, seconds = _watch_store_only_peer(tmp_path, "kill", 10.0)
     host = socket.gethostname()
-    assert said and said[0].startswith("Rank(s) [1] stopped answering (no heartbeat for 2 s"), said
+    assert said, "not named"
+    assert said[0].startswith("Rank(s) [1] stopped answering (no heartbeat for 2 s"), said
     assert f"rank 1 (host {host}, pid " in said[0], said
     assert 1.0 <= seconds < 2 + 2 + 2, seconds  # the timeout, 1 s polls, a loaded machine
 
 
 def test_nccl_mode_names_a_peer_that_raised_at_once(tmp_path):
     said, seconds = _watch_store_only_peer(tmp_path, "raise", 10.0)
-    assert said and said[0].startswith("Rank(s) [1] exited: rank 1 (host "), said
+    assert said, "not named"
+    assert said[0].startswith("Rank(s) [1] exited: rank 1 (host "), said
     assert "its exit marker says: exited after an uncaught ValueError: bad batch" in said[0]
     assert seconds < 2.0, seconds  # the next 1 s poll, not the 2 s of silence
 

@@ -56,7 +56,7 @@ HEARTBEAT_TIMEOUT = 2.0  # shared memory: a silent peer is named after this
 COMM_TIMEOUT = 30.0  # gloo: long, so that a stopped peer must be named by the watchdog
 HEARTBEAT_WINDOW = 2.0  # gloo: after a failure, peers silent this long are named
 SLACK = 5.0  # scheduling on a loaded 2-core machine
-WATCHDOG_POLLS = 2.0  # gloo: the peer watchdog starts a second into a wait and polls each second
+WATCHDOG_POLLS = 2.0  # gloo: the peer watchdog's looks at the store (named at the timeout)
 
 MODEL = dataclasses.replace(TINY, dropout=0.1)  # random streams must resume exactly too
 
@@ -188,8 +188,8 @@ def _detection_limit(shm: bool, kind: str) -> float:
         return HEARTBEAT_TIMEOUT + SLACK
     if kind == "kill":  # gloo sees the closed connection at once, then the heartbeat window
         return HEARTBEAT_WINDOW + SLACK
-    # The peer watchdog (on by default, at the heartbeat timeout): silence measured from a
-    # second into the wait, read every second.
+    # The peer watchdog (on by default, at the heartbeat timeout): silence counted from the
+    # start of the wait.
     return HEARTBEAT_TIMEOUT + WATCHDOG_POLLS + SLACK
 
 

@@ -496,6 +496,17 @@ class PeerWatchdog:
                 store.add(key, 0)
         return [int(value) for value in store.multi_get(keys)]
 
+    def _pause(self, now: float, changed: dict[int, tuple[int, float]]) -> float:
+        """Until the next look: a second, or less where a peer's silence reaches the
+        timeout sooner (so that it is named then, not up to a second later)."""
+        due = [at + self.timeout for _, at in changed.values()]
+        if self.only_while_waiting and _WAITING:
+            due.append(_WAITING[0] + self.timeout)
+        # Deadlines already past (a silent peer that a clean exit marker excused) wait the
+        # full second: they must not turn the watchdog into a busy loop on the store.
+        soonest = min((d for d in due if d > now), default=now + 1.0) - now + 0.05
+        return min(1.0, max(0.05, soonest))
+
     def _watching(self, now: float) -> bool:
         if not self.only_while_waiting:
             return True
@@ -512,8 +523,10 @@ class PeerWatchdog:
         exits_seen = 0
         whois: dict[int, departures.Whois] = {}
         unreachable_since: float | None = None
-        while not self._stop.wait(1.0):
+        pause = 1.0
+        while not self._stop.wait(pause):
             now = time.monotonic()
+            pause = self._pause(now, changed)
             if not self._watching(now):
                 changed.clear()  # silence is measured within one blocked wait
                 unreachable_since = None
@@ -530,8 +543,15 @@ class PeerWatchdog:
                 unreachable_since = unreachable_since if unreachable_since else now
             else:
                 unreachable_since = None
+                # A peer first seen in this wait counts as silent since the wait began:
+                # its first read comes a second in, and counting from there would name a
+                # stopped peer a second late. A live peer ticks twice a second, so its
+                # next read clears it long before the timeout (at least 2 s).
+                since = _WAITING[0] if self.only_while_waiting and _WAITING else now
                 for r, count in zip(self.others, counts[:-1], strict=True):
-                    if changed.get(r, (None, 0.0))[0] != count:
+                    if r not in changed:
+                        changed[r] = (count, since)
+                    elif changed[r][0] != count:
                         changed[r] = (count, now)
             if not self._blocked(now):
                 continue
