@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.comm import liveness
+from zerotrain.comm import P2POp, liveness
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.handle import CollectiveError
 from zerotrain.testing.dist import run_to_the_end
@@ -42,6 +42,29 @@ def _one_rank_killed() -> str:
     except CollectiveError as err:
         return str(err)
     return "no error"
+
+
+def _p2p_peer_killed() -> str:
+    comm = Communicator()
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    (handle,) = comm.post_in_order([P2POp.recv(torch.empty(1000), 1, purpose="activations")])
+    try:
+        handle.wait()
+    except CollectiveError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_pipeline_receive_names_the_killed_sender():
+    """Point-to-point over TCP (a pipeline's messages to another host): gloo says only that
+    the connection closed; the receive's error names the sender and its host."""
+    outcome = run_to_the_end(
+        _p2p_peer_killed, 2, timeout=60, comm_timeout=20, env={"ZEROTRAIN_SHM": "0"}
+    )
+    message = str(outcome.ranks[0].value)
+    assert f"Rank(s) [1] exited: rank 1 (host {socket.gethostname()}, pid " in message, message
 
 
 def test_survivors_name_the_killed_rank_and_only_it():
@@ -63,6 +86,7 @@ _THREE_RANKS = """
 import os, sys, time, torch, zerotrain
 import torch.distributed as dist
 from zerotrain.comm import liveness
+from zerotrain.comm import P2POp
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.handle import CollectiveError
 zerotrain.init_distributed()
@@ -282,6 +306,7 @@ _ZOMBIE_UNDER_TORCHRUN = """
 import os, time, torch, zerotrain
 import torch.distributed as dist
 from zerotrain.comm import liveness
+from zerotrain.comm import P2POp
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.handle import CollectiveError
 zerotrain.init_distributed()

@@ -125,10 +125,12 @@ def failure_message(
 ) -> str:
     """``what`` failed because of ``exc``; shared-memory errors already explain themselves
     (they name the late or mismatched ranks), anything else gets ``explain()`` (which
-    ranks stopped answering, from their heartbeats) or else ``hint``."""
+    ranks are gone, with their hosts), followed by ``hint`` where that named none."""
     if isinstance(exc, shm.ShmMismatchError):
         return f"{what}: {exc}"
     if isinstance(exc, (shm.ShmPeerError, CollectiveError)):  # already names the ranks
         return f"{what} failed: {exc}"
     named = explain() if explain is not None else ""
-    return f"{what} failed: {exc}.{named or ' ' + hint}"
+    if not named or named.startswith(liveness.CANNOT_TELL):  # no rank to blame: the hint too
+        named += " " + hint
+    return f"{what} failed: {exc}.{named}"

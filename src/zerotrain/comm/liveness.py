@@ -43,6 +43,8 @@ INTERVAL = 0.5  # seconds between ticks
 # After a failure, how long heartbeats are watched for the ranks that markers and /proc
 # could not account for: a live rank ticks four times in it.
 LOOK = 4 * INTERVAL
+# How :func:`explain_failure` starts when it can name no rank.
+CANNOT_TELL = " Every other rank's heartbeat moved"
 _STORE_PREFIX = "zerotrain/heartbeat/"
 
 
@@ -349,9 +351,9 @@ def explain_failure(ranks: Sequence[int], window: float | None = None) -> str:
         )
     if not sentences:
         return (
-            f" Every other rank's heartbeat moved within {window:.0f} s, so which rank failed "
-            "cannot be told from here: one may have raised and left its collectives, or the "
-            "ranks took different code paths; see the other ranks' output."
+            f"{CANNOT_TELL} within {window:.0f} s, so which rank failed cannot be told from "
+            "here: one may have raised and left its collectives, or the ranks took different "
+            "code paths; see the other ranks' output."
         )
     return "".join(sentences)
 

@@ -255,6 +255,12 @@ class PeerToPeer:
         ]
         return f"{self._name(self.rank)}: " + ", ".join(parts)
 
+    def _explain(self, ops: Sequence[P2POp]) -> Callable[[], str]:
+        """After a transport error: which of the peers of ``ops`` are gone, with their
+        hosts (``liveness.explain_failure``: exit markers, /proc, heartbeats)."""
+        peers = sorted({self._to_global(op.peer) for op in ops})
+        return lambda: liveness.explain_failure(peers)
+
     def exchange(self, ops: Sequence[P2POp], *, async_op: bool = False) -> Handle:
         """Issue ``ops`` together; see :meth:`Communicator.exchange`."""
         check_ops(ops, self.rank, self.world_size)
@@ -296,7 +302,8 @@ class PeerToPeer:
             try:
                 works = dist.batch_isend_irecv([self._torch_op(op) for op in backend])
             except Exception as exc:
-                raise CollectiveError(failure_message(describe(), exc, P2P_HINT)) from exc
+                message = failure_message(describe(), exc, P2P_HINT, self._explain(ops))
+                raise CollectiveError(message) from exc
         if len(backend) < len(ops):
             self._run_shared(ops, _data_works([op for op, s in zip(ops, shared, strict=True) if s]))
         on_done = None
@@ -305,7 +312,9 @@ class PeerToPeer:
                 timer.stop(overlapped=False)  # finished inside the call (shared memory)
             else:
                 on_done = timer.stopping(None, overlapped=async_op)
-        handle = Handle(works, describe, on_done, self.timeout, hint=P2P_HINT)
+        handle = Handle(
+            works, describe, on_done, self.timeout, hint=P2P_HINT, explain=self._explain(ops)
+        )
         if not async_op:
             handle.wait()
         return handle
@@ -334,10 +343,16 @@ class PeerToPeer:
         except CollectiveError:
             raise
         except Exception as exc:
-            raise CollectiveError(failure_message(self._describe(ops), exc, P2P_HINT)) from exc
+            message = failure_message(self._describe(ops), exc, P2P_HINT, self._explain(ops))
+            raise CollectiveError(message) from exc
         return [
             Handle(
-                works, functools.partial(self._describe, [op]), None, self.timeout, hint=P2P_HINT
+                works,
+                functools.partial(self._describe, [op]),
+                None,
+                self.timeout,
+                hint=P2P_HINT,
+                explain=self._explain([op]),
             )
             for op, works in zip(ops, per_op, strict=True)
         ]
@@ -486,9 +501,11 @@ class PeerToPeer:
                 work.wait(self.timeout) if self.timeout is not None else work.wait()
         except Exception as exc:
             seconds = f" within {self.timeout.total_seconds():g} s" if self.timeout else ""
+            gone = liveness.explain_failure([self._to_global(peer)])
             raise CollectiveError(
                 f"{self._name(self.rank)}: {self._name(peer)} did not {did_not}{seconds} (it "
-                f"exited, is stuck, or took another code path); this rank {this_rank()} ({exc})"
+                f"exited, is stuck, or took another code path); this rank {this_rank()} "
+                f"({exc}).{gone}"
             ) from exc
 
     def _check_headers(self, ops: Sequence[P2POp], peers: Sequence[int]) -> None:
