@@ -12,6 +12,7 @@ answering" on rank 0 when only rank 1 had died).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -85,8 +86,6 @@ def test_survivors_name_the_killed_rank_and_only_it():
 _THREE_RANKS = """
 import os, sys, time, torch, zerotrain
 import torch.distributed as dist
-from zerotrain.comm import liveness
-from zerotrain.comm import P2POp
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.handle import CollectiveError
 zerotrain.init_distributed()
@@ -218,7 +217,6 @@ def test_a_rank_sigtermed_inside_a_collective_ends_at_once_and_is_named(tmp_path
 _STOPPED_UNDER_TORCHRUN = """
 import os, signal, time, torch, zerotrain
 import torch.distributed as dist
-from zerotrain.comm import liveness
 from zerotrain.comm.collectives import Communicator
 zerotrain.init_distributed()
 comm = Communicator()
@@ -228,6 +226,29 @@ if dist.get_rank() == 1:
 print(f"waiting {time.monotonic()}", flush=True)
 comm.all_reduce(torch.ones(4), purpose="gradients")  # rank 1 never comes
 """
+
+
+def _end(job: subprocess.Popen[str]) -> None:
+    """Kill torchrun and every process under it: its workers run in sessions of their own,
+    out of reach of a kill of its process group (found: stopped ranks left behind)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [job.pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += parents.get(pid, [])
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.wait(timeout=30)
 
 
 def test_a_stopped_rank_is_named_within_the_heartbeat_timeout_under_plain_torchrun(tmp_path):
@@ -265,8 +286,7 @@ def test_a_stopped_rank_is_named_within_the_heartbeat_timeout_under_plain_torchr
         while time.monotonic() < deadline and not any("stopped answering" in x for _, x in lines):
             time.sleep(0.2)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the stopped rank included
-        job.wait(timeout=30)
+        _end(job)  # the stopped rank included
         reader.join(timeout=10)
     output = "".join(line for _, line in lines)
     named = [(t, line) for t, line in lines if "stopped answering" in line]
@@ -305,8 +325,6 @@ def test_a_failure_no_heartbeat_explains_says_it_cannot_tell():
 _ZOMBIE_UNDER_TORCHRUN = """
 import os, time, torch, zerotrain
 import torch.distributed as dist
-from zerotrain.comm import liveness
-from zerotrain.comm import P2POp
 from zerotrain.comm.collectives import Communicator
 from zerotrain.comm.handle import CollectiveError
 zerotrain.init_distributed()
@@ -350,8 +368,7 @@ def test_a_zombie_rank_is_named_within_the_heartbeat_timeout_under_plain_torchru
         named = lines.until(lambda x: "named: " in x, 30)
         state = liveness.process_state(victim)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(timeout=30)
+        _end(job)
     assert state == "a zombie (exited, not reaped)", state
     assert named is not None, lines.text()
     assert (

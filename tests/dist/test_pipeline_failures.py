@@ -4,7 +4,12 @@ together where it can, and nothing of the failed step reaches a later one (revie
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -344,3 +349,72 @@ def test_a_stage_whose_first_layer_works_in_place_trains_like_one_stage():
     [whole] = run_distributed(_in_place_first_layer, 1, 1)
     for losses in pipelined:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(whole), rtol=0, atol=1e-6)
+
+
+# Two ranks as a multi-host job runs them (plain processes with torchrun's variables, gloo
+# over TCP, the peer watchdog on as by default), the first stage failing mid-step.
+_FAILS_ACROSS_HOSTS = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+import zerotrain
+from tests.dist.test_pipeline_failures import _batches, _engine
+zerotrain.init_distributed()
+engine = _engine(fail_layer_on=3 if dist.get_rank() == 0 else 0, schedule="1f1b")
+try:
+    engine.train_batch(iter(_batches(1)))
+    print("no error", flush=True)
+except Exception as err:
+    print(f"failed at {time.monotonic()}: {type(err).__name__}: {err}", flush=True)
+time.sleep(60)  # the failing rank stays alive: only the notice can tell the other
+"""
+
+
+def test_a_stage_that_fails_mid_step_stops_a_stage_on_another_host(tmp_path):
+    """P3 across machines: the same-host mailbox cannot carry the failure notice there, and
+    the waiting stage's receive over TCP cannot be interrupted. The failing rank publishes
+    it in the job's store; the waiting rank's peer watchdog ends it a second or two later,
+    quoting the error (exit code 75), instead of after the collective timeout (120 s)."""
+    script = tmp_path / "job.py"
+    script.write_text(_FAILS_ACROSS_HOSTS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")}
+    env.update(
+        ZEROTRAIN_SHM="0",  # as between hosts: no mailbox
+        ZEROTRAIN_P2P_MATCH="tag",
+        ZEROTRAIN_COMM_TIMEOUT="120",
+        OMP_NUM_THREADS="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), repo],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+        )
+        for rank in range(2)
+    ]
+    try:
+        code = procs[1].wait(timeout=60)
+        ended = time.monotonic()
+        output = procs[1].stdout.read()  # type: ignore[union-attr]
+    finally:
+        for proc in procs:
+            proc.kill()
+    first = procs[0].stdout.read()  # type: ignore[union-attr]
+    failed = [line for line in first.splitlines() if line.startswith("failed at ")]
+    assert failed, first
+    assert "ValueError: this layer refuses its forward number 3" in failed[0], first
+    assert code == 75, output
+    assert "Rank(s) [0] abandoned their step: rank 0 (host " in output, output
+    assert "abandoned its step: ValueError: this layer refuses its forward number 3" in output
+    seconds = ended - float(failed[0].split()[2].rstrip(":"))
+    print(f"the stage on the other host stopped {seconds:.1f} s after the failure")
+    assert seconds < 5, output  # a second into its wait, not the 120 s timeout

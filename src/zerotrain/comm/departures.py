@@ -38,7 +38,10 @@ import torch.distributed as dist
 
 WHOIS_PREFIX = "zerotrain/whois/"
 EXIT_PREFIX = "zerotrain/exited/"
-EXITS_COUNTER = "zerotrain/exits"  # how many exit markers were written (one cheap read)
+ABANDON_PREFIX = "zerotrain/abandoned/"
+# How many exit markers and abandon notices were written: one cheap read tells whether to
+# read them.
+EXITS_COUNTER = "zerotrain/exits"
 EXITED_CLEANLY = "exited"  # the marker of an interpreter exit without an uncaught exception
 GAVE_UP = "gave up on its peers"  # the start of the marker of a rank the watchdog ended
 _MARKED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -140,6 +143,19 @@ class StoreRecords:
         finally:
             self._lock.release()
 
+    def announce_abandoned(self, notice: str) -> None:
+        """Tell every rank of the job that this one abandoned its step (a pipeline step
+        that failed with messages outstanding): peers blocked on it over the network,
+        whose waits cannot be interrupted, learn it from their watchdogs."""
+        if os.getpid() != self._pid or not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{ABANDON_PREFIX}{self.rank}", notice[:_REASON_CHARS])
+                self.store.add(EXITS_COUNTER, 1)
+        finally:
+            self._lock.release()
+
     def _read(self, prefix: str, ranks: Sequence[int]) -> dict[int, str]:
         # ``get`` waits for a missing key: ``check`` first (one request per rank; this runs
         # only after a failure).
@@ -175,6 +191,10 @@ class StoreRecords:
     def exits(self, ranks: Sequence[int]) -> dict[int, str]:
         """The exit markers of ``ranks`` that wrote one."""
         return self._read(EXIT_PREFIX, ranks)
+
+    def abandoned(self, ranks: Sequence[int]) -> dict[int, str]:
+        """The abandon notices of ``ranks`` that wrote one."""
+        return self._read(ABANDON_PREFIX, ranks)
 
 
 @dataclasses.dataclass
@@ -247,6 +267,12 @@ def mark_on_exit(records: StoreRecords) -> None:
     sys.excepthook = remember_and_report
     if threading.current_thread() is threading.main_thread():
         _mark_on_signals()
+
+
+def announce_abandoned(notice: str) -> None:
+    """Publish that this rank abandoned its step (``StoreRecords.announce_abandoned``)."""
+    if _RECORDS is not None:
+        _RECORDS.announce_abandoned(notice)
 
 
 def mark_exit(how: str) -> None:

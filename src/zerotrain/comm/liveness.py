@@ -522,7 +522,7 @@ class PeerWatchdog:
     def _run(self) -> None:
         store: dist.Store | None = None
         changed: dict[int, tuple[int, float]] = {}
-        exits_seen = 0
+        exits_seen = notices_seen = 0
         whois: dict[int, departures.Whois] = {}
         unreachable_since: float | None = None
         pause = 1.0
@@ -555,6 +555,13 @@ class PeerWatchdog:
                         changed[r] = (count, since)
                     elif changed[r][0] != count:
                         changed[r] = (count, now)
+            if counts is not None and store is not None and counts[-1] != notices_seen:
+                notices_seen = counts[-1]
+                with contextlib.suppress(Exception):  # the store went away: judged below
+                    abandoned = self._bounded(functools.partial(self._abandoned, store), LOOK)
+                    if abandoned:
+                        self._give_up(self._abandon_message(abandoned, now))
+                        return
             if not self._blocked(now):
                 continue
             if unreachable_since is not None and now - unreachable_since >= self.timeout:
@@ -580,6 +587,29 @@ class PeerWatchdog:
             if ended or silent:
                 self._give_up(self._message(ended, silent, whois))
                 return
+
+    def _abandoned(self, store: dist.Store) -> dict[int, tuple[str, departures.Whois | None]]:
+        """The peers that abandoned their step (a failed pipeline step), with their notices
+        and identities."""
+        records = departures.StoreRecords(store, self.rank, threading.Lock())
+        notices = records.abandoned(self.others)
+        whois = records.whois(sorted(notices)) if notices else {}
+        return {r: (notice, whois.get(r)) for r, notice in notices.items()}
+
+    def _abandon_message(
+        self, abandoned: dict[int, tuple[str, departures.Whois | None]], now: float
+    ) -> str:
+        waited = f" for {now - _WAITING[0]:.0f} s" if self.only_while_waiting and _WAITING else ""
+        notices = "; ".join(
+            f"{who.label() if who else f'rank {r} (host unknown)'}: {notice}"
+            for r, (notice, who) in sorted(abandoned.items())
+        )
+        return (
+            f"Rank(s) {sorted(abandoned)} abandoned their step: {notices}. This rank has "
+            f"waited{waited} on messages or collectives that will not come, and exits: its "
+            "wait over the network cannot be interrupted (ZEROTRAIN_PEER_TIMEOUT; 0 turns "
+            "this off)."
+        )
 
     def _judge(
         self, store: dist.Store, silent: list[int]

@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from zerotrain.comm import liveness
+from zerotrain.comm import departures, liveness
 from zerotrain.comm.comms_logger import CommsLogger
 from zerotrain.comm.handle import (
     CollectiveError,
@@ -359,10 +359,13 @@ class PeerToPeer:
 
     def abandon_posted(self, reason: str) -> None:
         """A step failed with messages of :meth:`post_in_order` outstanding: tell the peers
-        on this machine (their waits on this rank raise at once, quoting ``reason``). Peers
-        reached over the network learn it only through their own timeouts."""
+        on this machine (their waits on this rank raise at once, quoting ``reason``), and
+        every rank through the job's store: a peer blocked on this rank over the network,
+        whose wait cannot be interrupted, is ended by its peer watchdog a second into the
+        wait, quoting it (``liveness.PeerWatchdog``)."""
         if self._mailbox is not None:
             self._mailbox.abandon(reason)
+        departures.announce_abandoned(f"{self._name(self.rank)} abandoned its step: {reason}")
 
     def _issue_by_tag_or_mailbox(self, ops: Sequence[P2POp]) -> list[Sequence[Waitable]]:
         """Gloo's default: messages to peers on this machine through the mailbox
