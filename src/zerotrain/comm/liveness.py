@@ -296,11 +296,6 @@ def start_store_heartbeats(
         store = None
         with contextlib.suppress(Exception):
             store = make_store()
-            if store is not None:
-                # Connected: from now on each request may wait only briefly, so that after a
-                # failure a stopped store host (torchrun's agent) costs seconds, not the
-                # collective timeout, and /proc can still be asked (``look_locally``).
-                store.set_timeout(datetime.timedelta(seconds=LOOK + 1))
         _STORE = StoreHeartbeats(store, rank) if store is not None else None
     return _STORE
 
