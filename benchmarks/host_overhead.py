@@ -116,7 +116,9 @@ def _engine_step(model: torch.nn.Module, precision: str, stage: int) -> Callable
 def _case(system: str, precision: str, stage: int) -> dict[str, Any]:
     """One rank: ops of one steady step (rank 0) and the median step time."""
     model = _model(precision)
-    step = _hand_step(model, precision) if system == "hand" else _engine_step(model, precision, stage)
+    step = (
+        _hand_step(model, precision) if system == "hand" else _engine_step(model, precision, stage)
+    )
     g = torch.Generator().manual_seed(dist.get_rank())
     data = []
     for _ in range(4):
@@ -133,7 +135,11 @@ def _case(system: str, precision: str, stage: int) -> dict[str, Any]:
         for i in range(PER_WINDOW):
             step(*data[i % 4])
         times.append((time.perf_counter() - start) / PER_WINDOW)
-    return {"ops": sum(counter.ops.values()), "by_op": dict(counter.ops), "step_s": statistics.median(times)}
+    return {
+        "ops": sum(counter.ops.values()),
+        "by_op": dict(counter.ops),
+        "step_s": statistics.median(times),
+    }
 
 
 def main() -> None:
@@ -152,8 +158,12 @@ def main() -> None:
         )  # fmt: skip
         return {**ranks[0], "step_s": max(r["step_s"] for r in ranks)}
 
-    print("| world | precision | stage | ops: engine / hand | time: engine / hand | engine ops | hand ops | engine ms | hand ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    columns = (
+        "world", "precision", "stage", "ops: engine / hand", "time: engine / hand",
+        "engine ops", "hand ops", "engine ms", "hand ms",
+    )  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for world in args.worlds:
         for precision in args.precisions:
             hand = run(world, "hand", precision, 0)
@@ -168,7 +178,10 @@ def main() -> None:
                 if args.top:
                     extra = collections.Counter(engine["by_op"])
                     extra.subtract(hand["by_op"])
-                    print("    most added:", ", ".join(f"{op} {n:+d}" for op, n in extra.most_common(args.top)))
+                    print(
+                        "    most added:",
+                        ", ".join(f"{op} {n:+d}" for op, n in extra.most_common(args.top)),
+                    )
 
 
 if __name__ == "__main__":
