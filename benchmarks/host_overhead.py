@@ -73,7 +73,9 @@ def _hand_step(model: torch.nn.Module, precision: str) -> Callable[..., torch.Te
             flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
             dist.all_reduce(flat)
             flat.div_(world)
-            torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))  # type: ignore[union-attr,arg-type]
+            pieces = flat.split([g.numel() for g in grads])  # type: ignore[union-attr]
+            views = [piece.view_as(g) for piece, g in zip(pieces, grads, strict=True)]  # type: ignore[arg-type]
+            torch._foreach_copy_(grads, views)  # type: ignore[arg-type]
         if precision == "bf16":
             for m, p in zip(masters, params, strict=True):
                 m.grad = p.grad.float()  # type: ignore[union-attr]
