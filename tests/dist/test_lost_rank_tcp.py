@@ -378,3 +378,38 @@ def test_a_zombie_rank_is_named_within_the_heartbeat_timeout_under_plain_torchru
     seconds = named[0] - killed
     print(f"zombie rank named after {seconds:.1f} s (heartbeat timeout 3 s)")
     assert seconds < 3, lines.text()
+
+
+_FORKED_CHILD_TERMINATED = """
+import datetime, multiprocessing as mp, time
+import torch.distributed as dist
+from zerotrain.comm import liveness
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+connect = lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                timeout=datetime.timedelta(seconds=30))
+liveness.start_store_heartbeats(0, connect)  # installs the exit marker's SIGTERM handling
+child = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+child.start()
+time.sleep(0.5)
+child.terminate()  # SIGTERM, as a DataLoader ends a worker that does not stop
+child.join(10)
+time.sleep(1.0)  # the parent's signal reader would have acted by now
+marked = server.check(["zerotrain/exited/0"])
+print(f"parent alive; child exit code {child.exitcode}; marker {marked}", flush=True)
+"""
+
+
+def test_a_forked_child_ended_by_sigterm_leaves_its_parent_alive(tmp_path):
+    """A forked child (a data loader's worker) shares its parent's signal wakeup pipe: its
+    SIGTERM must neither end the parent nor write the parent's exit marker."""
+    script = tmp_path / "fork.py"
+    script.write_text(_FORKED_CHILD_TERMINATED)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_environment(),
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    assert "parent alive; child exit code -15; marker False" in done.stdout, done.stdout

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -321,6 +322,24 @@ def _mark_on_signals() -> None:
         name="zerotrain-exit-marker",
         daemon=True,
     ).start()
+    os.register_at_fork(
+        after_in_child=functools.partial(_forget_in_child, read_end, write_end, tuple(marked))
+    )
+
+
+def _forget_in_child(read_end: int, write_end: int, marked: tuple[int, ...]) -> None:
+    """In a forked child (a data loader's worker): the default dispositions again, and no
+    wakeup pipe. The pipe is shared with the parent, whose reader would otherwise take a
+    SIGTERM sent to the child (``DataLoader`` ends stubborn workers so) for its own and
+    end the parent (found in review, before it shipped)."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+        for signum in marked:
+            if signal.getsignal(signum) is marked_signal_handler:
+                signal.signal(signum, signal.SIG_DFL)
+    for fd in (read_end, write_end):
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _wake_on_signals(read_end: int, marked: frozenset[int], pid: int) -> None:
