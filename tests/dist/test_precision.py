@@ -604,6 +604,8 @@ def _changed_outside(stage: int, how: str, precision: str) -> dict:
     with torch.no_grad():
         if how == "load_state_dict":
             model.load_state_dict({"weight": torch.full((4, 4), 0.5)})  # same on every rank
+        elif how == "replace":  # a tensor of its own: the parameter leaves the flat buffer
+            model.weight.data = torch.full((4, 4), 0.5, dtype=model.weight.dtype)
         else:
             model.weight.data.fill_(0.5)  # invisible to version counters
     engine.backward(engine(torch.ones(1, 4)).sum())
@@ -624,6 +626,16 @@ def test_parameters_changed_outside_the_optimizer_are_kept(stage, precision, how
     step continues from the new values, and destroy() hands them back."""
     for out in run_distributed(_changed_outside, 2, stage, how, precision):
         assert out["after_step"] == [0.5] * 16  # not overwritten by a stale master/shard
+        assert out["destroyed"] == [0.25] * 16
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(0, "bf16"), (1, "fp32"), (2, "bf16")])
+def test_a_parameter_given_new_data_is_taken_back_into_the_buffer(stage, precision):
+    """``param.data = t`` between steps (stages 0-2, where parameters live in one flat
+    buffer): the next step continues from ``t`` (found by an address check since
+    2026-11-28, no longer a view per parameter per step)."""
+    for out in run_distributed(_changed_outside, 2, stage, "replace", precision):
+        assert out["after_step"] == [0.5] * 16
         assert out["destroyed"] == [0.25] * 16
 
 

@@ -77,10 +77,19 @@ class FlatParamBuffer:
 
     def readopt(self) -> bool:
         """Point parameters whose ``.data`` was replaced (``param.data = t``) back into the
-        buffer, taking their new values; True if any was."""
+        buffer, taking their new values; True if any was.
+
+        Runs before every optimizer step, so the check is host arithmetic on addresses: a
+        parameter still in place starts where its part of the buffer does. Building each
+        part's view and reading ``param.data`` cost three dispatched operations per
+        parameter every step (about 880 on a 293-parameter model; issue 43)."""
+        base, itemsize = self.data.data_ptr(), self.data.element_size()
         replaced = False
         with torch.no_grad():
             for i, param in enumerate(self.params):
+                spec = self.layout.params[i]
+                if spec.end > spec.start and param.data_ptr() == base + spec.start * itemsize:
+                    continue  # in place (empty parameters take the slow look below)
                 view = self.view(self.data, i)
                 if param.data.data_ptr() != view.data_ptr():
                     view.copy_(param.data)
