@@ -394,14 +394,37 @@ time.sleep(0.5)
 child.terminate()  # SIGTERM, as a DataLoader ends a worker that does not stop
 child.join(10)
 time.sleep(1.0)  # the parent's signal reader would have acted by now
-marked = server.check(["zerotrain/exited/0"])
+from zerotrain.comm import departures
+marked = server.check([f"{departures.EXIT_PREFIX}0"])
 print(f"parent alive; child exit code {child.exitcode}; marker {marked}", flush=True)
+
+
+def child_then_grandchild():
+    # The child's own pipe may take the numbers of the wakeup pipe it closed at fork: its
+    # child (a worker's pool) must not close them again.
+    import os
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.fstat(read_end), os.fstat(write_end)
+            os._exit(0)
+        except OSError:
+            os._exit(3)
+    os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
+
+nested = mp.get_context("fork").Process(target=child_then_grandchild)
+nested.start()
+nested.join(10)
+print(f"a grandchild leaves its parent's pipe open: {nested.exitcode == 0}", flush=True)
 """
 
 
 def test_a_forked_child_ended_by_sigterm_leaves_its_parent_alive(tmp_path):
     """A forked child (a data loader's worker) shares its parent's signal wakeup pipe: its
-    SIGTERM must neither end the parent nor write the parent's exit marker."""
+    SIGTERM must neither end the parent nor write the parent's exit marker; and the child's
+    own children must not close descriptors the child opened since."""
     script = tmp_path / "fork.py"
     script.write_text(_FORKED_CHILD_TERMINATED)
     done = subprocess.run(
@@ -413,3 +436,4 @@ def test_a_forked_child_ended_by_sigterm_leaves_its_parent_alive(tmp_path):
     )
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
     assert "parent alive; child exit code -15; marker False" in done.stdout, done.stdout
+    assert "a grandchild leaves its parent's pipe open: True" in done.stdout, done.stdout

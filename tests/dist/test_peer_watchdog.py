@@ -81,9 +81,9 @@ time.sleep(120)  # killed here by the test
 
 
 def _watch_store_only_peer(tmp_path: Path, ending: str, watch_s: float) -> tuple[list[str], float]:
-    """Rank 0's watchdog in NCCL's mode (this process; ``give_up`` records instead of
-    exiting) over a store-only rank 1 that ends as ``ending`` says; returns what the
-    watchdog said within ``watch_s`` seconds of the peer's end, and how long it took."""
+    """Rank 0's watchdog in NCCL's mode (this process; its reports are recorded) over a
+    store-only rank 1 that ends as ``ending`` says; returns what the watchdog said within
+    ``watch_s`` seconds of the peer's end, and how long it took."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     script = tmp_path / "peer.py"
     script.write_text(_STORE_ONLY_PEER)
@@ -107,6 +107,7 @@ def _watch_store_only_peer(tmp_path: Path, ending: str, watch_s: float) -> tuple
             2.0,
             give_up=said.append,
             only_while_waiting=False,
+            report=said.append,
         )
         if ending == "kill":
             time.sleep(1.5)

@@ -366,6 +366,16 @@ try:
     print("no error", flush=True)
 except Exception as err:
     print(f"failed at {time.monotonic()}: {type(err).__name__}: {err}", flush=True)
+if sys.argv[2] == "then-a-slow-collective":
+    # After the failed step (the mailbox told rank 1 at once): a collective that waits 3 s
+    # on rank 0, over gloo, outside any pipeline step: the notice must not end rank 1.
+    import torch
+    from zerotrain.comm.collectives import Communicator
+    comm = Communicator(shared_memory=False)
+    time.sleep(3 if dist.get_rank() == 0 else 0)
+    comm.all_reduce(torch.ones(1), purpose="a checkpoint's agreement")
+    print("after the collective", flush=True)
+    sys.exit(0)
 time.sleep(60)  # the failing rank stays alive: only the notice can tell the other
 """
 
@@ -375,32 +385,7 @@ def test_a_stage_that_fails_mid_step_stops_a_stage_on_another_host(tmp_path):
     the waiting stage's receive over TCP cannot be interrupted. The failing rank publishes
     it in the job's store; the waiting rank's peer watchdog ends it a second or two later,
     quoting the error (exit code 75), instead of after the collective timeout (120 s)."""
-    script = tmp_path / "job.py"
-    script.write_text(_FAILS_ACROSS_HOSTS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")}
-    env.update(
-        ZEROTRAIN_SHM="0",  # as between hosts: no mailbox
-        ZEROTRAIN_P2P_MATCH="tag",
-        ZEROTRAIN_COMM_TIMEOUT="120",
-        OMP_NUM_THREADS="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    repo = str(Path(__file__).resolve().parents[2])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), repo],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
-        )
-        for rank in range(2)
-    ]
+    procs = _two_plain_ranks(tmp_path, "0", "and-stay")  # as between hosts: no mailbox
     try:
         code = procs[1].wait(timeout=60)
         ended = time.monotonic()
@@ -418,3 +403,53 @@ def test_a_stage_that_fails_mid_step_stops_a_stage_on_another_host(tmp_path):
     seconds = ended - float(failed[0].split()[2].rstrip(":"))
     print(f"the stage on the other host stopped {seconds:.1f} s after the failure")
     assert seconds < 5, output  # a second into its wait, not the 120 s timeout
+
+
+def test_an_abandon_notice_ends_no_wait_outside_a_pipeline_step(tmp_path):
+    """After the failed step, a slow collective (a checkpoint saved on the way out) is no
+    reason to end a rank: the notice counts only inside a pipeline step."""
+    procs = _two_plain_ranks(tmp_path, "1", "then-a-slow-collective")
+    try:
+        codes = [proc.wait(timeout=60) for proc in procs]
+        outputs = [proc.stdout.read() for proc in procs]  # type: ignore[union-attr]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert codes == [0, 0], (codes, outputs)
+    assert all("after the collective" in out for out in outputs), outputs
+
+
+def _two_plain_ranks(tmp_path: Path, shm: str, then: str) -> list[subprocess.Popen[str]]:
+    script = tmp_path / "job.py"
+    script.write_text(_FAILS_ACROSS_HOSTS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")}
+    env.update(
+        ZEROTRAIN_SHM=shm,
+        ZEROTRAIN_P2P_MATCH="tag",
+        ZEROTRAIN_COMM_TIMEOUT="120",
+        OMP_NUM_THREADS="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    # Same host (shm "1"): one machine's local ranks; else each rank a host of its own.
+    local = [("0", "1"), ("0", "1")] if shm == "0" else [("0", "2"), ("1", "2")]
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), repo, then],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": local[rank][0],
+                "LOCAL_WORLD_SIZE": local[rank][1],
+            },
+        )
+        for rank in range(2)
+    ]

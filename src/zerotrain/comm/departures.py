@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import functools
 import os
 import signal
 import socket
@@ -37,16 +36,68 @@ from typing import Any
 
 import torch.distributed as dist
 
-WHOIS_PREFIX = "zerotrain/whois/"
-EXIT_PREFIX = "zerotrain/exited/"
-ABANDON_PREFIX = "zerotrain/abandoned/"
+
+def _round() -> str:
+    """This round of the job: torchrun's run id and restart count, so that a restarted
+    round, which keeps the same store, never reads the last round's markers ("killed by
+    SIGTERM" on every rank it restarted); one round where there is no torchrun."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"{run}.{restart}" if run or restart else "0"
+
+
+_PREFIX = f"zerotrain/{_round()}/"
+WHOIS_PREFIX = f"{_PREFIX}whois/"
+EXIT_PREFIX = f"{_PREFIX}exited/"
+ABANDON_PREFIX = f"{_PREFIX}abandoned/"
 # How many exit markers and abandon notices were written: one cheap read tells whether to
 # read them.
-EXITS_COUNTER = "zerotrain/exits"
+EXITS_COUNTER = f"{_PREFIX}exits"
+# A write after a failure waits at most this long for the store (its host may be stopped).
+_WRITE_S = 1.0
 EXITED_CLEANLY = "exited"  # the marker of an interpreter exit without an uncaught exception
 GAVE_UP = "gave up on its peers"  # the start of the marker of a rank the watchdog ended
 _MARKED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _REASON_CHARS = 300  # an exception's text in a marker is cut to this
+
+
+class StoreStalledError(RuntimeError):
+    """A store request did not answer in time (its host is stopped or unreachable)."""
+
+
+class Bounded:
+    """Runs store requests on a helper thread with a deadline: a TCPStore client waits
+    without limit for a store whose host is stopped (SIGSTOP) or cut off without a reset,
+    whatever its timeout says (found: ``check`` on a stopped store never returned). One
+    request at a time: while one is stuck, the next fails at once instead of adding
+    another stuck thread."""
+
+    def __init__(self) -> None:
+        self._stuck: threading.Thread | None = None
+
+    def __call__(self, request: Callable[[], Any], seconds: float) -> Any:
+        """``request()``, or :class:`StoreStalledError` after ``seconds``; its own error
+        when it raises."""
+        if self._stuck is not None and self._stuck.is_alive():
+            raise StoreStalledError("an earlier store request is still waiting")
+        outcome: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, request()))
+            except BaseException as error:  # handed to the caller
+                outcome.append((False, error))
+
+        thread = threading.Thread(target=run, name="zerotrain-store-request", daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if not outcome:
+            self._stuck = thread
+            raise StoreStalledError(f"the store did not answer within {seconds:.0f} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
 
 def boot_id() -> str:
@@ -118,6 +169,7 @@ class StoreRecords:
         self.rank = rank
         self._lock = lock
         self._pid = os.getpid()
+        self._writes = Bounded()
         # The identities of the ranks on this machine, kept here: ``/proc`` can still be
         # asked about them when the store cannot (its host stopped or gone).
         self.neighbours: dict[int, Whois] = {}
@@ -129,31 +181,30 @@ class StoreRecords:
             self.store.set(f"{WHOIS_PREFIX}{self.rank}", Whois.of_this_process(self.rank).encode())
 
     def mark_exit(self, how: str) -> None:
-        """Write this rank's exit marker. Safe from a signal handler on the main thread:
-        the lock is waited for at most a second (the heartbeat thread holds it for one
-        store request), and never from a forked child (its writes would speak for the
-        parent's rank)."""
-        if os.getpid() != self._pid:
-            return
-        if not self._lock.acquire(timeout=1.0):
-            return
-        try:
-            with contextlib.suppress(Exception):
-                self.store.set(f"{EXIT_PREFIX}{self.rank}", how[:_REASON_CHARS])
-                self.store.add(EXITS_COUNTER, 1)
-        finally:
-            self._lock.release()
+        """Write this rank's exit marker (best effort, see :meth:`_write`)."""
+        self._write(f"{EXIT_PREFIX}{self.rank}", how)
 
     def announce_abandoned(self, notice: str) -> None:
         """Tell every rank of the job that this one abandoned its step (a pipeline step
         that failed with messages outstanding): peers blocked on it over the network,
         whose waits cannot be interrupted, learn it from their watchdogs."""
-        if os.getpid() != self._pid or not self._lock.acquire(timeout=1.0):
+        self._write(f"{ABANDON_PREFIX}{self.rank}", notice)
+
+    def _write(self, key: str, text: str) -> None:
+        """Set ``key`` and count it in :data:`EXITS_COUNTER`. Safe from a signal handler
+        on the main thread and on the way out of a failing process: the lock and the
+        store are each given :data:`_WRITE_S` (the store's host may be stopped), and a
+        forked child never writes (it would speak for the parent's rank)."""
+        if os.getpid() != self._pid or not self._lock.acquire(timeout=_WRITE_S):
             return
         try:
-            with contextlib.suppress(Exception):
-                self.store.set(f"{ABANDON_PREFIX}{self.rank}", notice[:_REASON_CHARS])
+
+            def write() -> None:
+                self.store.set(key, text[:_REASON_CHARS])
                 self.store.add(EXITS_COUNTER, 1)
+
+            with contextlib.suppress(Exception):
+                self._writes(write, _WRITE_S)
         finally:
             self._lock.release()
 
@@ -161,11 +212,16 @@ class StoreRecords:
         # ``get`` waits for a missing key: ``check`` first (one request per rank; this runs
         # only after a failure).
         found: dict[int, str] = {}
-        with self._lock:
+        # Not forever: a heartbeat tick stuck on a stopped store holds the lock.
+        if not self._lock.acquire(timeout=_WRITE_S):
+            raise StoreStalledError("the store client is held by a request that does not return")
+        try:
             for r in ranks:
                 key = f"{prefix}{r}"
                 if self.store.check([key]):
                     found[r] = self.store.get(key).decode(errors="replace")
+        finally:
+            self._lock.release()
         return found
 
     def learn_neighbours(self) -> None:
@@ -285,6 +341,12 @@ def mark_exit(how: str) -> None:
 def _mark_interpreter_exit() -> None:
     how = f"exited after an uncaught {_ENDING[-1]}" if _ENDING else EXITED_CLEANLY
     mark_exit(how)
+    # Marked: from here on a SIGTERM must end the process as it did before (a teardown
+    # that hangs with the interpreter lock held would otherwise keep it alive).
+    if threading.current_thread() is threading.main_thread():
+        for signum in _MARKED_SIGNALS:
+            if signal.getsignal(signum) is marked_signal_handler:
+                signal.signal(signum, signal.SIG_DFL)
 
 
 def _signal_name(signum: int) -> str:
@@ -322,22 +384,32 @@ def _mark_on_signals() -> None:
         name="zerotrain-exit-marker",
         daemon=True,
     ).start()
-    os.register_at_fork(
-        after_in_child=functools.partial(_forget_in_child, read_end, write_end, tuple(marked))
-    )
+    global _WAKE_PIPE
+    _WAKE_PIPE = (read_end, write_end)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def _forget_in_child(read_end: int, write_end: int, marked: tuple[int, ...]) -> None:
+# The wakeup pipe of this process (read end, write end); None in a forked child.
+_WAKE_PIPE: tuple[int, int] | None = None
+
+
+def _forget_in_child() -> None:
     """In a forked child (a data loader's worker): the default dispositions again, and no
     wakeup pipe. The pipe is shared with the parent, whose reader would otherwise take a
     SIGTERM sent to the child (``DataLoader`` ends stubborn workers so) for its own and
-    end the parent (found in review, before it shipped)."""
+    end the parent (found in review, before it shipped). Once: the child's own children
+    inherit this hook, and must not close what the child has since opened under the same
+    descriptor numbers."""
+    global _WAKE_PIPE
+    pipe, _WAKE_PIPE = _WAKE_PIPE, None
+    if pipe is None:
+        return
     with contextlib.suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
-        for signum in marked:
+        for signum in _MARKED_SIGNALS:
             if signal.getsignal(signum) is marked_signal_handler:
                 signal.signal(signum, signal.SIG_DFL)
-    for fd in (read_end, write_end):
+    for fd in pipe:
         with contextlib.suppress(OSError):
             os.close(fd)
 

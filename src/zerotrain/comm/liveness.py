@@ -30,7 +30,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch.distributed as dist
 
@@ -202,45 +201,6 @@ def beat_for(target: Tickable) -> None:
     _BEATER.add(target)
 
 
-class StoreStalledError(RuntimeError):
-    """A store request did not answer in time (its host is stopped or unreachable)."""
-
-
-class Bounded:
-    """Runs store requests on a helper thread with a deadline: a TCPStore client waits
-    without limit for a store whose host is stopped (SIGSTOP) or cut off without a reset,
-    whatever its timeout says (found: ``check`` on a stopped store never returned). One
-    request at a time: while one is stuck, the next fails at once instead of adding
-    another stuck thread."""
-
-    def __init__(self) -> None:
-        self._stuck: threading.Thread | None = None
-
-    def __call__(self, request: Callable[[], Any], seconds: float) -> Any:
-        """``request()``, or :class:`StoreStalledError` after ``seconds``; its own error when
-        it raises."""
-        if self._stuck is not None and self._stuck.is_alive():
-            raise StoreStalledError("an earlier store request is still waiting")
-        outcome: list[tuple[bool, Any]] = []
-
-        def run() -> None:
-            try:
-                outcome.append((True, request()))
-            except BaseException as error:  # handed to the caller
-                outcome.append((False, error))
-
-        thread = threading.Thread(target=run, name="zerotrain-store-request", daemon=True)
-        thread.start()
-        thread.join(seconds)
-        if not outcome:
-            self._stuck = thread
-            raise StoreStalledError(f"the store did not answer within {seconds:.0f} s")
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
-
-
 class StoreHeartbeats:
     """This job's heartbeats in the rendezvous store (one counter per global rank).
 
@@ -311,10 +271,11 @@ def explain_failure(ranks: Sequence[int], window: float | None = None) -> str:
         return ""
     others = [r for r in ranks if r != store.rank]
     window = window if window is not None else min(heartbeat_timeout(), LOOK)
-    bounded = Bounded()
+    bounded = departures.Bounded()
     reachable = True
     try:
-        seen = bounded(lambda: departures.look(store.records, others), LOOK)
+        # Two requests per rank: a second more per thousand ranks.
+        seen = bounded(lambda: departures.look(store.records, others), LOOK + len(others) / 1e3)
     except Exception:
         reachable = False
         seen = departures.look_locally(store.records, others)
@@ -428,36 +389,47 @@ def _give_up(message: str) -> None:
     os._exit(75)  # an elastic launcher restarts the job; gloo's wait cannot be interrupted
 
 
+def _report(message: str) -> None:
+    log.error("%s", message)
+
+
 class PeerWatchdog:
-    """Ends this rank when a peer is gone and this rank would otherwise wait for it until
-    the collective timeout (``ZEROTRAIN_COMM_TIMEOUT``, 10 minutes by default): a peer whose
+    """Names a peer that is gone while this rank would otherwise wait for it until the
+    collective timeout (``ZEROTRAIN_COMM_TIMEOUT``, 10 minutes by default): a peer whose
     heartbeat has stood still for ``timeout`` seconds (its host died or was cut off without
-    a TCP reset; a stopped process), or a store unreachable as long. The collective timeout
-    can then stay long for legitimately slow collectives, which keep every peer ticking.
+    a TCP reset; a stopped process), a store unreachable as long, or (gloo) a pipeline
+    peer that abandoned the step this rank is in.
 
     Two modes:
 
     - ``only_while_waiting`` (gloo): only a blocked wait counts (``waiting()``), so a peer
       that finished and exited while this rank works on alone is no reason to stop; the
       store is read only during waits longer than a second, one request per poll
-      (``multi_get``), so a large job does not load it while it trains;
+      (``multi_get``), so a large job does not load it while it trains. The rank then
+      exits (code 75, ``give_up``): gloo's wait cannot be interrupted, and a raise would
+      leave the collective pending, so that the process could not end before the
+      collective timeout either (its group waits for it at exit). The collective timeout
+      can stay long for legitimately slow collectives, which keep every peer ticking.
     - otherwise (NCCL, where the host never waits inside zerotrain: NCCL's kernels do, on
-      the device): the store is read every second; a peer silent for ``timeout`` seconds
-      without a clean exit marker, or one whose exit marker says it was killed or raised
-      (``departures.py``), ends this rank at once.
+      the device): the store is read every ``timeout / 4`` seconds (at least 1) and each
+      lost peer is reported once, with its host, by ``report`` (a log line): a peer silent
+      for ``timeout`` seconds without a clean exit marker, or at once one whose exit
+      marker says it was killed or raised (``departures.py``). The rank is not ended: it
+      cannot tell whether it still needs the peer (a rank writing its last checkpoint
+      shard alone does not); NCCL's own watchdog ends a collective that waits on it.
 
-    Messages name each lost rank with its host. Silence is judged over all ranks of the
-    job, not the blocked collective's group (a subgroup's collective waiting on a slow peer
-    while an unrelated rank has exited normally would be misjudged; not seen in
-    zerotrain's own groups).
+    Silence is judged over all ranks of the job, not the blocked collective's group (a
+    subgroup's collective waiting on a slow peer while an unrelated rank has exited
+    normally would be misjudged; not seen in zerotrain's own groups).
 
     Args:
         rank / world_size: this rank and the job's size (global).
         make_store: a new client of the job's store (its own connection, short timeout).
         timeout: seconds of silence that end the job.
-        give_up: called with the message (default: mark this rank's exit, log the message
-            and exit with code 75).
+        give_up: gloo: called with the message (default: mark this rank's exit, log the
+            message and exit with code 75).
         only_while_waiting: the mode (above).
+        report: NCCL: called with each message (default: log it).
     """
 
     def __init__(
@@ -468,14 +440,17 @@ class PeerWatchdog:
         timeout: float,
         give_up: Callable[[str], None] = _give_up,
         only_while_waiting: bool = True,
+        report: Callable[[str], None] = _report,
     ) -> None:
         self.rank = rank
         self.others = [r for r in range(world_size) if r != rank]
         self._make_store = make_store
         self.timeout = timeout
         self._give_up = give_up
+        self._report = report
         self.only_while_waiting = only_while_waiting
-        self._bounded = Bounded()
+        self._bounded = departures.Bounded()
+        self._reported: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zerotrain-watchdog", daemon=True)
         self._thread.start()
@@ -493,95 +468,117 @@ class PeerWatchdog:
                 store.add(key, 0)
         return [int(value) for value in store.multi_get(keys)]
 
-    def _pause(self, now: float, changed: dict[int, tuple[int, float]]) -> float:
-        """Until the next look: a second, or less where a peer's silence reaches the
-        timeout sooner (so that it is named then, not up to a second later)."""
-        due = [at + self.timeout for _, at in changed.values()]
-        if self.only_while_waiting and _WAITING:
-            due.append(_WAITING[0] + self.timeout)
+    def _run(self) -> None:
+        state = _WatchState()
+        pause = 1.0
+        while not self._stop.wait(pause):
+            # The main thread pushes and pops waits: one look at it per poll.
+            wait_start = _WAITING[0] if _WAITING else None
+            try:
+                pause = self._poll(state, time.monotonic(), wait_start)
+            except Exception:  # never let a surprise end the watchdog
+                log.debug("peer watchdog: a poll failed", exc_info=True)
+                pause = 1.0
+            if pause < 0:
+                return
+
+    def _poll(self, state: _WatchState, now: float, wait_start: float | None) -> float:
+        """One look; returns the pause before the next (negative: stop watching)."""
+        if self.only_while_waiting and (wait_start is None or now - wait_start < 1.0):
+            state.forget()  # silence is measured within one blocked wait
+            return 1.0
+        try:
+            fresh = state.store is None
+            store = (
+                state.store if state.store is not None else self._bounded(self._make_store, LOOK)
+            )
+            state.store = store
+            counts = self._bounded(functools.partial(self._counts, store, fresh), LOOK)
+        except Exception:
+            state.store, counts = None, None
+        if counts is None:
+            state.unreachable_since = state.unreachable_since or now
+        else:
+            state.unreachable_since = None
+            # A peer first seen in this wait counts as silent since the wait began: its
+            # first read comes a second in, and counting from there would name a stopped
+            # peer a second late. A live peer ticks twice a second, so its next read
+            # clears it long before the timeout (at least 2 s).
+            since = wait_start if self.only_while_waiting and wait_start is not None else now
+            for r, count in zip(self.others, counts[:-1], strict=True):
+                if r not in state.changed:
+                    state.changed[r] = (count, since)
+                elif state.changed[r][0] != count:
+                    state.changed[r] = (count, now)
+        if self._stop.is_set():
+            return -1.0
+        message = self._judge_all(state, now, wait_start, counts)
+        if message is not None:
+            if self.only_while_waiting:
+                self._give_up(message)
+                return -1.0
+            self._report(message)
+        return self._pause(state, now, wait_start)
+
+    def _judge_all(
+        self, state: _WatchState, now: float, wait_start: float | None, counts: list[int] | None
+    ) -> str | None:
+        """The message naming what is lost, if anything is (and not reported yet)."""
+        store = state.store
+        if store is not None and counts is not None and counts[-1] != state.notices_seen:
+            state.notices_seen = counts[-1]
+            if self.only_while_waiting and _IN_PIPELINE_STEP:
+                with contextlib.suppress(Exception):  # the store went away: judged below
+                    abandoned = self._bounded(functools.partial(self._abandoned, store), LOOK)
+                    if abandoned:
+                        return self._abandon_message(abandoned, now, wait_start)
+        if self.only_while_waiting and (wait_start is None or now - wait_start < self.timeout):
+            return None
+        if state.unreachable_since is not None and now - state.unreachable_since >= self.timeout:
+            if not self.only_while_waiting:
+                return None  # NCCL: the store's host may simply have finished first
+            return (
+                f"the job's store ({os.environ.get('MASTER_ADDR')}) has been unreachable "
+                f"for {now - state.unreachable_since:.0f} s while this rank waits for a "
+                "collective: its host is probably gone; this rank exits "
+                "(ZEROTRAIN_PEER_TIMEOUT)"
+            )
+        if store is None or counts is None:
+            return None
+        silent = [
+            r
+            for r, (_, at) in state.changed.items()
+            if now - at >= self.timeout and r not in self._reported
+        ]
+        if counts[-1] == state.exits_seen and not silent:
+            return None
+        state.exits_seen = counts[-1]
+        try:
+            ended, silent, whois = self._bounded(
+                functools.partial(self._judge, store, silent), LOOK
+            )
+        except Exception:
+            return None  # the store went away mid-read: the next poll says so
+        ended = {r: how for r, how in ended.items() if r not in self._reported}
+        if not ended and not silent:
+            return None
+        self._reported |= {*ended, *silent}
+        return self._message(ended, silent, whois)
+
+    def _pause(self, state: _WatchState, now: float, wait_start: float | None) -> float:
+        """Until the next look: a second (NCCL: a quarter of the timeout, at least a
+        second: every rank polls, so a large job's store must not be read N times a
+        second), or less where a peer's silence reaches the timeout sooner (so that it
+        is named then, not up to a second later)."""
+        if not self.only_while_waiting:
+            return max(1.0, self.timeout / 4)
+        due = [at + self.timeout for _, at in state.changed.values()]
+        if wait_start is not None:
+            due.append(wait_start + self.timeout)
         # Deadlines already past (a silent peer that a clean exit marker excused) wait the
         # full second: they must not turn the watchdog into a busy loop on the store.
         soonest = min((d for d in due if d > now), default=now + 1.0) - now + 0.05
         return min(1.0, max(0.05, soonest))
-
-    def _watching(self, now: float) -> bool:
-        if not self.only_while_waiting:
-            return True
-        return bool(_WAITING) and now - _WAITING[0] >= 1.0
-
-    def _blocked(self, now: float) -> bool:
-        if not self.only_while_waiting:
-            return True
-        return bool(_WAITING) and now - _WAITING[0] >= self.timeout
-
-    def _run(self) -> None:
-        store: dist.Store | None = None
-        changed: dict[int, tuple[int, float]] = {}
-        exits_seen = notices_seen = 0
-        whois: dict[int, departures.Whois] = {}
-        unreachable_since: float | None = None
-        pause = 1.0
-        while not self._stop.wait(pause):
-            now = time.monotonic()
-            pause = self._pause(now, changed)
-            if not self._watching(now):
-                changed.clear()  # silence is measured within one blocked wait
-                unreachable_since = None
-                store = None  # its connection closes: none is held between long waits
-                continue
-            try:
-                fresh = store is None
-                store = store if store is not None else self._bounded(self._make_store, LOOK)
-                read = functools.partial(self._counts, store, fresh)
-                counts = self._bounded(read, LOOK) if store is not None else None
-            except Exception:
-                store, counts = None, None
-            if counts is None:
-                unreachable_since = unreachable_since if unreachable_since else now
-            else:
-                unreachable_since = None
-                # A peer first seen in this wait counts as silent since the wait began:
-                # its first read comes a second in, and counting from there would name a
-                # stopped peer a second late. A live peer ticks twice a second, so its
-                # next read clears it long before the timeout (at least 2 s).
-                since = _WAITING[0] if self.only_while_waiting and _WAITING else now
-                for r, count in zip(self.others, counts[:-1], strict=True):
-                    if r not in changed:
-                        changed[r] = (count, since)
-                    elif changed[r][0] != count:
-                        changed[r] = (count, now)
-            if counts is not None and store is not None and counts[-1] != notices_seen:
-                notices_seen = counts[-1]
-                with contextlib.suppress(Exception):  # the store went away: judged below
-                    abandoned = self._bounded(functools.partial(self._abandoned, store), LOOK)
-                    if abandoned:
-                        self._give_up(self._abandon_message(abandoned, now))
-                        return
-            if not self._blocked(now):
-                continue
-            if unreachable_since is not None and now - unreachable_since >= self.timeout:
-                self._give_up(
-                    f"the job's store ({os.environ.get('MASTER_ADDR')}) has been unreachable "
-                    f"for {now - unreachable_since:.0f} s while this rank waits for a "
-                    "collective: its host is probably gone; this rank exits "
-                    "(ZEROTRAIN_PEER_TIMEOUT)"
-                )
-                return
-            if store is None or counts is None:
-                continue
-            silent = [r for r, (_, at) in changed.items() if now - at >= self.timeout]
-            ended: dict[int, str] = {}
-            if counts[-1] != exits_seen or silent:
-                exits_seen = counts[-1]
-                try:
-                    ended, silent, whois = self._bounded(
-                        functools.partial(self._judge, store, silent), LOOK
-                    )
-                except Exception:
-                    continue  # the store went away mid-read: the next poll says so
-            if ended or silent:
-                self._give_up(self._message(ended, silent, whois))
-                return
 
     def _abandoned(self, store: dist.Store) -> dict[int, tuple[str, departures.Whois | None]]:
         """The peers that abandoned their step (a failed pipeline step), with their notices
@@ -592,18 +589,21 @@ class PeerWatchdog:
         return {r: (notice, whois.get(r)) for r, notice in notices.items()}
 
     def _abandon_message(
-        self, abandoned: dict[int, tuple[str, departures.Whois | None]], now: float
+        self,
+        abandoned: dict[int, tuple[str, departures.Whois | None]],
+        now: float,
+        wait_start: float | None,
     ) -> str:
-        waited = f" for {now - _WAITING[0]:.0f} s" if self.only_while_waiting and _WAITING else ""
+        waited = f" for {now - wait_start:.0f} s" if wait_start is not None else ""
         notices = "; ".join(
             f"{who.label() if who else f'rank {r} (host unknown)'}: {notice}"
             for r, (notice, who) in sorted(abandoned.items())
         )
         return (
-            f"Rank(s) {sorted(abandoned)} abandoned their step: {notices}. This rank has "
-            f"waited{waited} on messages or collectives that will not come, and exits: its "
-            "wait over the network cannot be interrupted (ZEROTRAIN_PEER_TIMEOUT; 0 turns "
-            "this off)."
+            f"Rank(s) {sorted(abandoned)} abandoned their step: {notices}. This rank, in the "
+            f"same pipeline step, has waited{waited} on messages or collectives that will "
+            "not come, and exits: its wait over the network cannot be interrupted "
+            "(ZEROTRAIN_PEER_TIMEOUT; 0 turns this off)."
         )
 
     def _judge(
@@ -628,9 +628,6 @@ class PeerWatchdog:
     def _message(
         self, ended: dict[int, str], silent: list[int], whois: dict[int, departures.Whois]
     ) -> str:
-        # The rank exits: gloo's wait cannot be interrupted, and a raise would leave the
-        # collective pending, so that the process could not end before the collective
-        # timeout either (its group waits for it at exit).
         parts = []
         if ended:
             details = "; ".join(
@@ -640,15 +637,55 @@ class PeerWatchdog:
             parts.append(f"Rank(s) {sorted(ended)} exited: {details}.")
         if silent:
             labels = ", ".join(departures.label(r, whois) for r in silent)
+            during = " while this rank waits for a collective" if self.only_while_waiting else ""
             parts.append(
-                f"Rank(s) {silent} stopped answering (no heartbeat for {self.timeout:.0f} s "
-                f"while this rank waits for a collective): {labels}; they died, were stopped "
-                "(SIGSTOP), hang with the interpreter locked, or their host was cut off."
+                f"Rank(s) {silent} stopped answering (no heartbeat for {self.timeout:.0f} s"
+                f"{during}): {labels}; they died, were stopped (SIGSTOP), hang with the "
+                "interpreter locked, or their host was cut off."
+            )
+        if not self.only_while_waiting:
+            return " ".join(parts) + (
+                " A collective with them waits until NCCL's timeout ends it "
+                "(ZEROTRAIN_PEER_TIMEOUT; 0 turns this report off)."
             )
         return (
             " ".join(parts) + " This rank exits instead of waiting out the collective timeout "
             "(ZEROTRAIN_PEER_TIMEOUT; 0 turns this off)."
         )
+
+
+class _WatchState:
+    """What a :class:`PeerWatchdog` remembers between looks."""
+
+    def __init__(self) -> None:
+        self.store: dist.Store | None = None
+        self.changed: dict[int, tuple[int, float]] = {}  # rank -> (count, when it changed)
+        self.unreachable_since: float | None = None
+        self.exits_seen = 0
+        self.notices_seen = 0
+
+    def forget(self) -> None:
+        """Between blocked waits: nothing is held (the store's connection closes)."""
+        self.changed.clear()
+        self.unreachable_since = None
+        self.store = None
+
+
+# How many pipeline steps this process is inside (``in_pipeline_step``): an abandon notice
+# only ends a rank that waits inside one.
+_IN_PIPELINE_STEP = 0
+
+
+@contextlib.contextmanager
+def in_pipeline_step() -> Iterator[None]:
+    """Mark a pipeline step in progress: only inside one does a peer's abandon notice end
+    a waiting rank (a checkpoint saved after a failed step must not be ended by it)."""
+    global _IN_PIPELINE_STEP
+    _IN_PIPELINE_STEP += 1
+    try:
+        yield
+    finally:
+        _IN_PIPELINE_STEP -= 1
 
 
 _WATCHDOG: PeerWatchdog | None = None

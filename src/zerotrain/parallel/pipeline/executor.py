@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from zerotrain.comm import liveness
 from zerotrain.comm.collectives import Communicator
 from zerotrain.parallel.pipeline import messages
 from zerotrain.parallel.pipeline.boundary import Received, StageBoundaries
@@ -132,25 +133,29 @@ class PipelineExecutor:
         plan = build_plan(schedule or self.schedule, forward_only=backward is None)
         self.timeline = []
         self.boundaries.begin_step(signatures)
-        try:
-            for item in plan.items[self.rank]:
-                if isinstance(item, Exchange):
-                    step.received.update(
-                        self.boundaries.post(
-                            item,
-                            functools.partial(self._sent, step),
-                            functools.partial(self._gradient_buffers, step),
+        # Inside the step, a peer's abandon notice ends this rank's blocked wait over the
+        # network (liveness.PeerWatchdog); after it (a checkpoint saved on the way out of
+        # a failure), it does not.
+        with liveness.in_pipeline_step():
+            try:
+                for item in plan.items[self.rank]:
+                    if isinstance(item, Exchange):
+                        step.received.update(
+                            self.boundaries.post(
+                                item,
+                                functools.partial(self._sent, step),
+                                functools.partial(self._gradient_buffers, step),
+                            )
                         )
-                    )
-                    self._release_sent(step, item)
-                else:
-                    self._run_action(step, item, backward, reduce_grad)
-        except BaseException as exc:
-            # No waiting on the way out: a send whose receiver failed would wait out the
-            # timeout, and its error would replace this one.
-            self.boundaries.abandon_step(f"{type(exc).__name__}: {exc}")
-            raise
-        self.boundaries.finish_step()
+                        self._release_sent(step, item)
+                    else:
+                        self._run_action(step, item, backward, reduce_grad)
+            except BaseException as exc:
+                # No waiting on the way out: a send whose receiver failed would wait out
+                # the timeout, and its error would replace this one.
+                self.boundaries.abandon_step(f"{type(exc).__name__}: {exc}")
+                raise
+            self.boundaries.finish_step()
         return step.losses
 
     def _run_action(
