@@ -228,6 +228,22 @@ comm.all_reduce(torch.ones(4), purpose="gradients")  # rank 1 never comes
 """
 
 
+def _torchrun(tmp_path: Path, script_text: str) -> subprocess.Popen[str]:
+    """Two ranks of ``script_text`` under plain torchrun on this host, over TCP, with a 3 s
+    heartbeat timeout and a 120 s collective timeout (which no test may wait out)."""
+    script = tmp_path / "job.py"
+    script.write_text(script_text)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return subprocess.Popen(
+        [*command, "--nproc-per-node=2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_environment(ZEROTRAIN_HEARTBEAT_TIMEOUT="3", ZEROTRAIN_COMM_TIMEOUT="120"),
+        start_new_session=True,
+    )
+
+
 def _end(job: subprocess.Popen[str]) -> None:
     """Kill torchrun and every process under it: its workers run in sessions of their own,
     out of reach of a kill of its process group (found: stopped ranks left behind)."""
@@ -255,46 +271,18 @@ def test_a_stopped_rank_is_named_within_the_heartbeat_timeout_under_plain_torchr
     """The peer watchdog is on by default (it was only under ``zerotrain run`` across
     hosts): rank 0, blocked over TCP on a rank stopped with SIGSTOP, exits naming it after
     the heartbeat timeout, not the collective timeout (120 s here)."""
-    script = tmp_path / "job.py"
-    script.write_text(_STOPPED_UNDER_TORCHRUN)
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("ZEROTRAIN_")},
-        "ZEROTRAIN_SHM": "0",
-        "ZEROTRAIN_HEARTBEAT_TIMEOUT": "3",
-        "ZEROTRAIN_COMM_TIMEOUT": "120",
-        "OMP_NUM_THREADS": "1",
-    }
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    job = subprocess.Popen(
-        [*command, "--nproc-per-node=2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(
-        target=lambda: lines.extend((time.monotonic(), line) for line in job.stdout),  # type: ignore[union-attr]
-        daemon=True,
-    )
-    reader.start()
+    job = _torchrun(tmp_path, _STOPPED_UNDER_TORCHRUN)
+    lines = _Lines(job)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("stopped answering" in x for _, x in lines):
-            time.sleep(0.2)
+        named = lines.until(lambda x: "stopped answering" in x, 60)
     finally:
         _end(job)  # the stopped rank included
-        reader.join(timeout=10)
-    output = "".join(line for _, line in lines)
-    named = [(t, line) for t, line in lines if "stopped answering" in line]
-    assert named, output
-    assert "Rank(s) [1] stopped answering (no heartbeat for 3 s" in named[0][1], output
-    waiting = [float(line.split()[1]) for _, line in lines if line.startswith("waiting ")]
+    output = lines.text()
+    assert named is not None, output
+    assert "Rank(s) [1] stopped answering (no heartbeat for 3 s" in named[1], output
+    waiting = [float(x.split()[1]) for _, x in lines.lines if x.startswith("waiting ")]
     assert waiting, output
-    seconds = named[0][0] - max(waiting)
+    seconds = named[0] - max(waiting)
     print(f"stopped rank named after {seconds:.1f} s (heartbeat timeout 3 s)")
     assert seconds < 3 + 2, output  # the timeout, the watchdog's 1 s polls, a loaded machine
 
@@ -345,17 +333,7 @@ def test_a_zombie_rank_is_named_within_the_heartbeat_timeout_under_plain_torchru
     """Rank 1 killed while torchrun's agent is stopped, so that nobody reaps it: a zombie
     still has a process id (and had no chance to write an exit marker). Rank 0 names it
     from ``/proc`` as soon as gloo reports the closed connection."""
-    script = tmp_path / "job.py"
-    script.write_text(_ZOMBIE_UNDER_TORCHRUN)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    job = subprocess.Popen(
-        [*command, "--nproc-per-node=2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_environment(ZEROTRAIN_HEARTBEAT_TIMEOUT="3", ZEROTRAIN_COMM_TIMEOUT="120"),
-        start_new_session=True,
-    )
+    job = _torchrun(tmp_path, _ZOMBIE_UNDER_TORCHRUN)
     lines = _Lines(job)
     try:
         # Both ranks write to one pipe: their lines may run together.
