@@ -529,9 +529,9 @@ class PeerWatchdog:
             state.notices_seen = counts[-1]
             if self.only_while_waiting and _IN_PIPELINE_STEP:
                 with contextlib.suppress(Exception):  # the store went away: judged below
-                    abandoned = self._bounded(functools.partial(self._abandoned, store), LOOK)
-                    if abandoned:
-                        return self._abandon_message(abandoned, now, wait_start)
+                    notices, whois = self._bounded(functools.partial(self._abandoned, store), LOOK)
+                    if notices:
+                        return self._abandon_message(notices, whois, now, wait_start)
         if self.only_while_waiting and (wait_start is None or now - wait_start < self.timeout):
             return None
         if state.unreachable_since is not None and now - state.unreachable_since >= self.timeout:
@@ -580,27 +580,23 @@ class PeerWatchdog:
         soonest = min((d for d in due if d > now), default=now + 1.0) - now + 0.05
         return min(1.0, max(0.05, soonest))
 
-    def _abandoned(self, store: dist.Store) -> dict[int, tuple[str, departures.Whois | None]]:
-        """The peers that abandoned their step (a failed pipeline step), with their notices
-        and identities."""
+    def _abandoned(self, store: dist.Store) -> tuple[dict[int, str], dict[int, departures.Whois]]:
+        """The peers that abandoned their step (a failed pipeline step): their notices, and
+        the identities of those that recorded one."""
         records = departures.StoreRecords(store, self.rank, threading.Lock())
         notices = records.abandoned(self.others)
-        whois = records.whois(sorted(notices)) if notices else {}
-        return {r: (notice, whois.get(r)) for r, notice in notices.items()}
+        return notices, records.whois(sorted(notices)) if notices else {}
 
     def _abandon_message(
         self,
-        abandoned: dict[int, tuple[str, departures.Whois | None]],
+        notices: dict[int, str],
+        whois: dict[int, departures.Whois],
         now: float,
         wait_start: float | None,
     ) -> str:
         waited = f" for {now - wait_start:.0f} s" if wait_start is not None else ""
-        notices = "; ".join(
-            f"{who.label() if who else f'rank {r} (host unknown)'}: {notice}"
-            for r, (notice, who) in sorted(abandoned.items())
-        )
         return (
-            f"Rank(s) {sorted(abandoned)} abandoned their step: {notices}. This rank, in the "
+            _named("abandoned their step", notices, whois).strip() + " This rank, in the "
             f"same pipeline step, has waited{waited} on messages or collectives that will "
             "not come, and exits: its wait over the network cannot be interrupted "
             "(ZEROTRAIN_PEER_TIMEOUT; 0 turns this off)."
@@ -630,11 +626,8 @@ class PeerWatchdog:
     ) -> str:
         parts = []
         if ended:
-            details = "; ".join(
-                f"{departures.label(r, whois)}: its exit marker says: {ended[r]}"
-                for r in sorted(ended)
-            )
-            parts.append(f"Rank(s) {sorted(ended)} exited: {details}.")
+            said = {r: f"its exit marker says: {how}" for r, how in ended.items()}
+            parts.append(_named("exited", said, whois).strip())
         if silent:
             labels = ", ".join(departures.label(r, whois) for r in silent)
             during = " while this rank waits for a collective" if self.only_while_waiting else ""
