@@ -652,7 +652,7 @@ def main() -> None:
     report += [f"- {specs[m].describe()}" for m in args.models] + [""]
     if args.systems:
         report += model_tables(args, run_models(args, specs))
-    sizes = [_size(s) for s in args.p2p_sizes.split(",")]
+    sizes = [_size(s) for s in args.p2p_sizes.split(",") if s]
     if sizes:
         p2p = run_distributed(_p2p_job, 2, sizes, args.p2p_repeats, timeout=args.timeout)[0]
         report += ["#### same-host point-to-point, 2 ranks", "", *p2p_table(sizes, p2p)]

@@ -607,7 +607,8 @@ def _changed_outside(stage: int, how: str, precision: str) -> dict:
         elif how == "replace":  # a tensor of its own: the parameter leaves the flat buffer
             model.weight.data = torch.full((4, 4), 0.5, dtype=model.weight.dtype)
         else:
-            model.weight.data.fill_(0.5)  # invisible to version counters
+            model.weight.data.fill_(0.5)  # invisible to version counters: told explicitly
+            engine.parameters_changed()
     engine.backward(engine(torch.ones(1, 4)).sum())
     engine.step()
     after_step = model.weight.float().flatten().tolist()

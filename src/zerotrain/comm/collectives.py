@@ -176,15 +176,21 @@ class Communicator:
         detail: str = "",
         common: str | None = None,
         check: Callable[[], None] | None = None,
+        signed: bool = False,
     ) -> Handle:
         """Count and issue one collective. ``call`` receives its signature (``op`` with
         ``detail``, e.g. the reduce op; or ``common`` where the payload's shape may differ
-        between ranks), which every rank must agree on. ``check`` runs after the signature
-        check, when signatures are checked over gloo (e.g. all-to-all splits)."""
+        between ranks), which every rank must agree on, when ``signed`` (the call needs it)
+        or signatures are checked over gloo, and "" otherwise. ``check`` runs after the
+        signature check, when signatures are checked over gloo (e.g. all-to-all splits)."""
         nbytes = payload.numel() * payload.element_size()
-        signature = (
-            common if common is not None else signature_of(op + detail, purpose, payload, label)
-        )
+        # Built only where something checks it: the gloo signature check, or shared memory
+        # (which publishes it on every collective). A string per collective is host work.
+        signature = ""
+        if self._verify or signed:
+            signature = (
+                common if common is not None else signature_of(op + detail, purpose, payload, label)
+            )
 
         def describe() -> str:
             return f"rank {self.rank}: {signature_of(op, purpose, payload, label)}"
@@ -211,6 +217,26 @@ class Communicator:
         handle = Handle(work, describe, on_done, self.timeout, explain=self._explain)
         if not async_op:
             handle.wait()
+        return handle
+
+    def _alone(
+        self,
+        op: str,
+        purpose: str,
+        payload: torch.Tensor,
+        on_done: Callable[[], None] | None,
+        output: torch.Tensor | None = None,
+        source: torch.Tensor | None = None,
+    ) -> Handle:
+        """A collective over one rank: no backend call (a one-rank gloo or NCCL
+        collective still costs a launch and its bookkeeping), only ``source`` copied into
+        ``output`` where they are different tensors. Counted in the stats like any other;
+        its handle is already complete (``on_done`` has run)."""
+        self.stats.record(op, purpose, payload.numel() * payload.element_size())
+        if output is not None and source is not None and output.data_ptr() != source.data_ptr():
+            output.view(-1).copy_(source.reshape(-1))
+        handle = Handle(None, lambda: f"rank {self.rank}: {op} of {purpose}", on_done)
+        handle.wait()
         return handle
 
     def _explain(self) -> str:
@@ -259,6 +285,8 @@ class Communicator:
         names what the tensor belongs to in error messages.
         """
         reduce_op = _REDUCE_OPS[op]
+        if self.world_size == 1:  # sum, max or min of one value: the value
+            return self._alone("all_reduce", purpose, tensor, on_done)
         shared = self._shared(tensor)
         if shared is None and not self.reduces_natively(tensor.dtype, tensor.device):
             wide = tensor.float()
@@ -281,6 +309,7 @@ class Communicator:
                 on_done,
                 label,
                 detail=f"({op})",
+                signed=True,
             )
         return self._run(
             "all_reduce",
@@ -314,6 +343,8 @@ class Communicator:
             f"reduce_scatter: full has {full.numel()} elements, expected "
             f"{output.numel()} x {self.world_size}",
         )
+        if self.world_size == 1:
+            return self._alone("reduce_scatter", purpose, full, on_done, output, full)
         shared = self._shared(output, full)
         if shared is None and not self.reduces_natively(full.dtype, full.device):
             wide = full.float()
@@ -336,6 +367,7 @@ class Communicator:
                 async_op,
                 on_done,
                 label,
+                signed=True,
             )
         if self.backend != "gloo":
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -389,6 +421,8 @@ class Communicator:
             f"all_gather: output has {output.numel()} elements, expected "
             f"{shard.numel()} x {self.world_size}",
         )
+        if self.world_size == 1:
+            return self._alone("all_gather", purpose, output, on_done, output, shard)
         shared = self._shared(output, shard)
         if shared is None and self._needs_bit_view(output):
             # Moving bytes needs no arithmetic: the same bits as fp16, which gloo carries.
@@ -409,6 +443,7 @@ class Communicator:
                 async_op,
                 on_done,
                 label,
+                signed=True,
             )
         if self.backend != "gloo":
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -485,6 +520,8 @@ class Communicator:
         dtype = str(input.dtype).removeprefix("torch.")
         about = f" [{label}]" if label else ""
         common = f"all_to_all of {purpose}{about} ({dtype} rows of {row})"
+        if n == 1:
+            return self._alone("all_to_all", purpose, input, on_done, output, input)
         shared = self._shared(output, input)
         if shared is not None:
             return self._run(
@@ -496,6 +533,7 @@ class Communicator:
                 on_done,
                 label,
                 common=common,
+                signed=True,
             )
         if self._needs_bit_view(input):
             return self.all_to_all(
@@ -647,6 +685,8 @@ class Communicator:
         self, tensor: torch.Tensor, *, src: int = 0, purpose: str, async_op: bool = False
     ) -> Handle:
         """Copy rank ``src``'s ``tensor`` to every rank (``src`` is a rank in this group)."""
+        if self.world_size == 1:
+            return self._alone("broadcast", purpose, tensor, None)
         shared = self._shared(tensor)
         if shared is None and self._needs_bit_view(tensor):
             return self.broadcast(
@@ -660,6 +700,7 @@ class Communicator:
                 lambda signature: shared.broadcast(tensor, src, signature),
                 async_op,
                 detail=f"(from {src})",
+                signed=True,
             )
         global_src = self._global(src)
         return self._run(

@@ -621,6 +621,16 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         """Restart the collective counters."""
         self.groups.reset_stats()
 
+    def parameters_changed(self) -> None:
+        """Take parameter values written outside the optimizer through ``p.data`` (or
+        another tensor sharing their storage) into what the optimizer steps, before the
+        next step. Writes to the parameters themselves (``p.clamp_(...)`` under
+        ``torch.no_grad()``, ``model.load_state_dict``) and ``p.data = t`` are seen at the
+        next step without this call; writes through ``p.data`` are not, as version counters
+        do not see them, and the next step would otherwise overwrite them. zerotrain
+        extension (DeepSpeed keeps no such writes)."""
+        self.strategy.adopt_outside_changes()
+
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes this rank holds for model states, by category."""
         return memory_breakdown(self.module, self.strategy, self.optimizer)

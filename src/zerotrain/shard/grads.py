@@ -3,12 +3,14 @@
 * ``FullGradients`` (stages 0 and 1): a full-size gradient buffer. When it has the
   parameters' dtype every ``param.grad`` is a view into it, so autograd accumulates
   micro-steps in place with no copies; under mixed precision (an fp32 buffer for bf16
-  parameters) each fresh gradient is added in as autograd produces it. At the accumulation
-  boundary the buffer is all-reduced (stage 0) or reduce-scattered in place into this rank's
-  slice (stage 1).
-* ``ShardedGradients`` (stages 2 and 3): only this rank's slice is kept. On every micro-step the
-  gradients are copied into a staging buffer as autograd produces them (and ``param.grad``
-  is freed), reduce-scattered, and added into the slice. Where the slice lives between
+  parameters) the fresh gradients of a unit are added in together (one foreach add) once
+  the unit has them all, or when its reduction is launched or the backward pass ends. At
+  the accumulation boundary the buffer is all-reduced (stage 0) or reduce-scattered in place
+  into this rank's slice (stage 1).
+* ``ShardedGradients`` (stages 2 and 3): only this rank's slice is kept. On every micro-step
+  autograd leaves each fresh gradient in ``param.grad``; when the unit's reduction is
+  launched (or the backward pass ends first) they are copied into a staging buffer in one
+  foreach copy and freed, reduce-scattered, and added into the slice. Where the slice lives between
   reductions is its ``SlotStorage`` (``shard/storage.py``): in memory, or under NVMe
   optimizer offload in a swap file, resident only while a reduction adds into it and its
   write is in flight, with its norm taken on the way out for clipping.
@@ -85,6 +87,8 @@ class FullGradients:
         self._param_views = [buffer.view(self.flat, i) for i in range(len(buffer.params))]
         # Stage 1 keeps whole gradients, which stay in memory even under NVMe offload.
         self.slot: SlotStorage = ResidentSlot(self.shard)
+        # Parameters whose param.grad holds a fresh gradient not yet added in, in order.
+        self._pending: dict[int, None] = {}
         # Gradients from before the engine existed are not part of any window.
         for param in buffer.params:
             param.grad = None
@@ -124,6 +128,7 @@ class FullGradients:
         gradients of other backward passes (a GAN's generator loss reaching the
         discriminator) land in ``param.grad`` where ``zero_grad()`` can clear them, instead
         of mixing into this window's gradients."""
+        self.complete()
         if self.views:
             for param in self.buffer.params:
                 param.grad = None
@@ -138,9 +143,24 @@ class FullGradients:
         current = param.grad
         if current is not None and current.data_ptr() == view.data_ptr():
             return
-        if current is not None:
-            view.add_(current)
-        param.grad = view if self.views else None
+        if current is None:
+            param.grad = view if self.views else None
+        else:
+            self._pending[index] = None  # added in by complete(), with the unit's others
+
+    def complete(self) -> None:
+        """Add the fresh gradients accepted so far into the buffer, one foreach add, and
+        free them (every gradient of the unit arrived, its reduction is launched, or the
+        backward pass is over)."""
+        if not self._pending:
+            return
+        params = self.buffer.params
+        fresh = {i: g for i in self._pending if (g := params[i].grad) is not None}
+        with torch.no_grad():
+            torch._foreach_add_([self._param_views[i] for i in fresh], list(fresh.values()))
+        for i in self._pending:
+            params[i].grad = self._param_views[i] if self.views else None
+        self._pending.clear()
 
     def reduce(
         self,
@@ -150,6 +170,7 @@ class FullGradients:
     ) -> CollectiveIO:
         """The reduction that averages the buffer across ranks (pre-divided already);
         ``shard`` holds the result when it is done."""
+        self.complete()
         pre, post = divisors(policy, self.flat.dtype, self.comm_dtype)
         if pre != 1.0:
             self.flat.div_(pre)
@@ -175,6 +196,9 @@ class FullGradients:
 
     def reset(self) -> None:
         """Drop whatever a failed backward pass left behind."""
+        for i in self._pending:
+            self.buffer.params[i].grad = None
+        self._pending.clear()
         self.zero()
 
     def zero_values(self) -> None:
@@ -209,6 +233,8 @@ class ShardedGradients:
         # (pool buffer, the part of it this unit uses) while gradients are being staged
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staged: set[int] = set()  # parameters copied into staging this micro-step
+        # Parameters whose param.grad holds a gradient not yet in staging, in arrival order.
+        self._pending: dict[int, None] = {}
         self._shard_is_zero = True  # the next reduction can overwrite instead of adding
         self._window_reduced = False  # the window's last reduction is in the slice
         self.slot: SlotStorage = ResidentSlot(self.shard)
@@ -235,7 +261,10 @@ class ShardedGradients:
         backward passes outside the engine, not cleared since) and ``accept`` takes it."""
 
     def detach(self) -> None:
-        """Nothing to undo: ``accept`` leaves ``param.grad`` empty."""
+        """After the engine's backward pass: move the gradients of a unit whose reduction
+        was not launched (a pass that does not synchronise) into staging, so ``param.grad``
+        is empty between passes, as before any gradient arrived."""
+        self._flush()
 
     def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staging is None:
@@ -243,26 +272,55 @@ class ShardedGradients:
             self._staging = (pooled, pooled[: self.buffer.layout.padded_numel])
         return self._staging
 
+    def _views(self) -> list[torch.Tensor]:
+        """Each parameter's view of the staging buffer this unit holds."""
+        invariant(self._staging is not None, "staging views without a staging buffer")
+        pooled = self._staging[0]  # type: ignore[index]
+        indices = range(len(self.buffer.params))
+        return self.pool.views(pooled, self, lambda b: [self.buffer.view(b, i) for i in indices])
+
     def accept(self, index: int, staging: StagingProvider) -> None:
-        """Copy ``params[index]``'s fresh gradient into staging and free it."""
-        param = self.buffer.params[index]
-        if param.grad is None:
+        """``params[index]``'s gradient is in ``param.grad``: it stays there (autograd adds
+        any later contribution of this micro-step to it) until the unit's gradients move
+        into staging together. The staging buffer is taken now, as the first gradient
+        arrives, so that the pool is drawn on in the order units fill."""
+        if self.buffer.params[index].grad is None:
             return
-        view = self.buffer.view(self._stage(staging)[1], index)
-        if index in self._staged:
-            view.add_(param.grad)
-        else:
-            view.copy_(param.grad)  # staging is not cleared in advance: copy, don't add
-            self._staged.add(index)
-        param.grad = None
+        self._stage(staging)
+        self._pending[index] = None
+
+    def complete(self) -> None:
+        """Every gradient of the unit arrived: move them into staging now."""
+        self._flush()
+
+    def _flush(self) -> None:
+        """Copy (or add, for a parameter staged earlier in the window) every pending
+        gradient into staging, one foreach operation each way, and free them."""
+        if not self._pending:
+            return
+        views = self._views()
+        params = self.buffer.params
+        fresh = {i: g for i in self._pending if (g := params[i].grad) is not None}
+        copy = [i for i in fresh if i not in self._staged]
+        add = [i for i in fresh if i in self._staged]
+        with torch.no_grad():
+            if copy:  # staging is not cleared in advance: copy, don't add
+                torch._foreach_copy_([views[i] for i in copy], [fresh[i] for i in copy])
+            if add:
+                torch._foreach_add_([views[i] for i in add], [fresh[i] for i in add])
+        for i in self._pending:
+            params[i].grad = None
+        self._staged.update(copy)
+        self._pending.clear()
 
     def _zero_unstaged(self, full: torch.Tensor) -> None:
         """Zero the parts of staging no gradient was copied into (unused parameters and
         padding contribute zeros to the reduction)."""
         layout = self.buffer.layout
-        for index in range(len(self.buffer.params)):
-            if index not in self._staged:
-                self.buffer.view(full, index).zero_()
+        unstaged = [i for i in range(len(self.buffer.params)) if i not in self._staged]
+        if unstaged:
+            views = self._views()
+            torch._foreach_zero_([views[i] for i in unstaged])
         full[layout.numel :].zero_()
         self._staged.clear()
 
@@ -277,8 +335,9 @@ class ShardedGradients:
         """The reduce-scatter of this micro-step's staged gradients, which adds them to
         ``shard`` when done; ``final``: the window's last reduction."""
         pooled, full = self._stage(staging)
-        self._staging = None
+        self._flush()
         self._zero_unstaged(full)
+        self._staging = None
         lo, hi = self.owned
         out = full[lo:hi]
         pre, post = divisors(policy, full.dtype, full.dtype)
@@ -313,6 +372,7 @@ class ShardedGradients:
             self.pool.release(self._staging[0])
             self._staging = None
         self._staged.clear()
+        self._pending.clear()
         for param in self.buffer.params:
             param.grad = None
         self.zero_values()

@@ -1,11 +1,13 @@
 """Reusable flat buffers that hold gradients on their way to a reduce-scatter (stage 2).
 
 At ZeRO stage 2 the full-size gradient is never kept: each unit's gradients are copied into a
-staging buffer as autograd produces them, reduce-scattered into the unit's owned shard, and
+staging buffer (one foreach copy per unit), reduce-scattered into the unit's owned shard, and
 the buffer is reused. Two buffers let one reduction run while the next unit fills.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +31,10 @@ class StagingPool:
         self.count = count
         self._free: list[torch.Tensor] = []
         self._allocated = 0
+        # Per (buffer, unit): the unit's parameter-shaped views of the buffer, made once.
+        # A view per parameter per micro-step would be two host operations each (a slice
+        # and a view), which on a GPU are launches the device waits for.
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -56,8 +62,24 @@ class StagingPool:
         """Return a buffer acquired from this pool."""
         self._free.append(buffer)
 
+    def views(
+        self,
+        buffer: torch.Tensor,
+        owner: object,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """``make(buffer)``, the views ``owner`` (a unit's gradients) takes of a buffer of
+        this pool, made on the first call for that pair and kept while the buffer is."""
+        key = (id(buffer), id(owner))
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = make(buffer)
+        return found
+
     def drop_idle(self) -> None:
         """Free the buffers no unit holds (``engine.offload_states``); they are allocated
         again on first use."""
         self._allocated -= len(self._free)
         self._free.clear()
+        # The views keep their buffers alive; those of buffers still held are made again.
+        self._views.clear()

@@ -219,6 +219,18 @@ class ShardedUnit:
         self.received: set[int] = set()  # parameters that got a gradient this window
         self.pieces = self._make_pieces()
         self._place(placement or ResidentPlacement())
+        # Version counters of the parameters when their values were last taken: an in-place
+        # write to a parameter (a clamp under no_grad, load_state_dict) moves its counter.
+        self._versions = self._param_versions()
+
+    def _param_versions(self) -> list[int]:
+        return [p._version for p in self.buffer.params]
+
+    def written_in_place(self) -> bool:
+        """Whether a parameter was written in place since its values were last taken (a
+        host-side check of version counters: no device work). Writes through ``p.data``
+        leave the counters alone and are not seen."""
+        return self._param_versions() != self._versions
 
     def _place(self, placement: StatePlacement) -> None:
         """Give each state its storage. Last in construction, once every view of the states
@@ -414,6 +426,11 @@ class ShardedUnit:
         self.grads.accept(index, staging)
         self.received.add(index)
 
+    def gradients_complete(self) -> None:
+        """Every trainable parameter got its gradient in this backward pass: fold fresh
+        gradients into the unit's buffer together (one foreach operation)."""
+        self.grads.complete()
+
     def launch_reduce(self, *, final: bool, staging: StagingProvider) -> CollectiveIO:
         """The reduction of this micro-step's gradient (the caller issues it); ``final`` on
         the window's last one."""
@@ -541,30 +558,39 @@ class ShardedUnit:
         with held_in_memory((self.buffer.slot,), write_back=True):
             self.buffer.owned_slice(*self.master_range).copy_(master.tensor)
 
-    def adopt_outside_changes(self) -> torch.Tensor | None:
-        """Before an optimizer step: where this rank's range of the parameters no longer
-        holds what zerotrain last wrote (the master's rounding, or at stage 3 the permanent
-        slice of a unit that is gathered), take the new values (``load_state_dict``,
-        ``p.data`` writes, a clamp after each step, ``GatheredParameters`` with a
-        ``modifier_rank``); unchanged elements keep their fp32 value. Returns how many elements
-        changed (a 0-d tensor: reading it is left to the caller, as it syncs a GPU), or None
-        when there was nothing to compare.
+    def adopt_outside_changes(self, only_if_written: bool = False) -> torch.Tensor | None:
+        """Where this rank's range of the parameters no longer holds what zerotrain last
+        wrote (the master's rounding, or at stage 3 the permanent slice of a unit that is
+        gathered), take the new values (``load_state_dict``, ``p.data`` writes, a clamp
+        after each step, ``GatheredParameters`` with a ``modifier_rank``); unchanged
+        elements keep their fp32 value. Returns how many elements changed (a 0-d tensor:
+        reading it is left to the caller, as it syncs a GPU), or None when there was
+        nothing to compare.
 
-        Compared element by element, which also sees writes through ``p.data`` (they leave
-        version counters alone). Stage-3 units that are not gathered have nothing visible
-        to change.
+        Compared element by element, which also sees writes through ``p.data``.
+        ``only_if_written`` (before every step): compare only when a parameter was given
+        new storage (``p.data = t``) or written in place since the last comparison (its
+        version counter moved), so a steady step does no device work here; writes through
+        ``p.data`` then wait for an explicit call (``engine.parameters_changed()``).
+        Stage-3 units that are not gathered have nothing visible to change.
         """
         master = self.master_slot
         if isinstance(self.buffer, FlatParamBuffer):
             if master is None:
                 return None  # the optimizer steps the parameters themselves
-            self.buffer.readopt()
+            moved = self.buffer.readopt()
+            if only_if_written and not moved and not self.written_in_place():
+                return None
+            self._versions = self._param_versions()
             if not master.resident:
                 return None  # in a swap file: compared chunk by chunk by the offloaded step
             visible = self.buffer.owned_slice(*self.master_range)
             return take_changes(master.tensor, visible)
         if not self.buffer.gathered:
             return None
+        if only_if_written and not self.written_in_place():
+            return None
+        self._versions = self._param_versions()
         lo, hi = self.owned
         changed = take_changes(self.buffer.shard, self.buffer.full[lo:hi])
         self.buffer.slot.write_back()  # a gathered unit's slice is resident

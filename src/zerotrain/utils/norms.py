@@ -11,6 +11,11 @@ reduction: relative error about 1e-8) and add the rows' squares in fp64. That is
 the single fp32 reduction (both are memory-bound) and lands within one fp32 ulp of the fp64
 value at every length we measured (1e5 to 1e8; benchmarks/grad_norm.py), where casting the
 whole tensor to fp64 costs 6-10x the time and a temporary twice its size.
+
+Tensors of at most ``SHORT`` elements are reduced in fp64 outright (exact to fp64 rounding;
+their widened temporary is small), and ``squared_norms`` takes all of those in one
+``torch._foreach_norm`` (one kernel on a GPU, instead of a dozen operations per tensor); only
+long ones go by rows.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 ROW = 1024
+SHORT = 32 * ROW
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -32,8 +38,10 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
         0-d float64 tensor.
     """
     flat = tensor.reshape(-1)
-    whole = (flat.numel() // ROW) * ROW
     compute = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else None
+    if flat.numel() <= SHORT:  # as squared_norms takes it: the same value either way
+        return torch.linalg.vector_norm(flat, dtype=torch.float64).square()
+    whole = (flat.numel() // ROW) * ROW
     rows = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1, dtype=compute)
     total = rows.double().square().sum()
     if whole < flat.numel():
@@ -42,8 +50,19 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def squared_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``squared_norm`` of each tensor (0-d fp64 each)."""
-    return [squared_norm(t) for t in tensors]
+    """``squared_norm`` of each tensor (0-d fp64 each); the short ones (at most ``SHORT``
+    elements, on one device) in one foreach reduction."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    short = [i for i, t in enumerate(tensors) if t.numel() <= SHORT]
+    if len({tensors[i].device for i in short}) > 1:
+        short = []  # one foreach call runs on one device
+    if short:
+        norms = torch._foreach_norm([tensors[i] for i in short], 2, dtype=torch.float64)
+        squares = torch.stack(list(norms)).square().unbind()
+        for i, square in zip(short, squares, strict=True):
+            out[i] = square
+    pairs = zip(out, tensors, strict=True)
+    return [square if square is not None else squared_norm(t) for square, t in pairs]
 
 
 def sum_squares(squares: Sequence[torch.Tensor]) -> torch.Tensor:

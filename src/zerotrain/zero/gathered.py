@@ -114,6 +114,10 @@ class GatheredParameters:
             for comm, params in self._plain.values():
                 tensors = [p.data for p in params]
                 broadcast_tensors(comm, tensors, _BUCKET_NUMEL, src=rank)
+                for param in params:
+                    # Written through .data, which version counters do not see: moving
+                    # them is how the engine's next step knows to take the new values.
+                    torch.autograd.graph.increment_version(param)
         if self._homeless:
             log.warning(
                 "GatheredParameters(modifier_rank=%d): %d parameter(s) belong to no zerotrain "

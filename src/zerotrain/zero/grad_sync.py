@@ -171,10 +171,14 @@ class GradientSynchronizer:
                 "first) and do not run a second backward on the same micro-step"
             )
         unit.accept_grad(i, functools.partial(self._acquire_staging, unit.pool))
-        if not self._syncing or i in self._ready[u]:
+        if i in self._ready[u]:
             return
         self._ready[u].add(i)
         self._remaining[u] -= 1
+        if self._remaining[u] == 0:
+            unit.gradients_complete()
+        if not self._syncing:
+            return
         if self._remaining[u] == 0 and self.on_complete is not None:
             self.on_complete(u)
         if self.launch_when_complete:

@@ -26,6 +26,7 @@ from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
 from zerotrain.optim.clip import norm_from_squares
 from zerotrain.shard.io import CollectiveIO
+from zerotrain.shard.storage import ResidentSlot
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
@@ -414,10 +415,23 @@ class ZeroStrategy:
             unit.check_reduced()
         if self._local:
             return self._local_norm()
+        counted = [k for k in range(len(self.units)) if k not in self._norm_excluded]
+        # Slices resident for good are read together (one foreach norm for the short ones);
+        # the others report what their storage recorded.
+        together = [
+            k
+            for k in counted
+            if k not in self._norm_ranges and isinstance(self.units[k].grads.slot, ResidentSlot)
+        ]
+        shards = [self.units[k].grad_shard for k in together]
+        by_unit = dict(zip(together, squared_norms(shards), strict=True))
         squares = [
-            self._counted_squares(k, u) if k in self._norm_ranges else u.grad_squared_norm()
-            for k, u in enumerate(self.units)
-            if k not in self._norm_excluded
+            by_unit[k]
+            if k in by_unit
+            else self._counted_squares(k, self.units[k])
+            if k in self._norm_ranges
+            else self.units[k].grad_squared_norm()
+            for k in counted
         ]
         return norm_from_squares(squares, self.global_norm_reducer())
 
@@ -705,7 +719,7 @@ class ZeroStrategy:
         unused = self._unused()
         if self.gatherer is not None:
             self.gatherer.end_window()  # the step changes the shards units gather from
-        self.adopt_outside_changes()
+        self.adopt_outside_changes(only_if_written=True)
         if self.offload is not None:
             self.offload.settle()
         if optimizer is not None:
@@ -737,11 +751,14 @@ class ZeroStrategy:
         for handle in [issue(self.comm, io) for io in ios]:
             handle.wait()
 
-    def adopt_outside_changes(self) -> None:
-        """Take parameter values changed outside the optimizer into what each unit steps
-        (before a step, and before a checkpoint is written)."""
+    def adopt_outside_changes(self, only_if_written: bool = False) -> None:
+        """Take parameter values changed outside the optimizer into what each unit steps:
+        before every step the units whose parameters were written in place or given new
+        storage (``only_if_written``, no device work otherwise); on events (a checkpoint
+        about to be written, ``engine.parameters_changed()``) every unit, element by
+        element."""
         for unit in self.units:
-            changed = unit.adopt_outside_changes()
+            changed = unit.adopt_outside_changes(only_if_written)
             if changed is not None:
                 self._outside_changes[unit.index] = changed + self._outside_changes.get(
                     unit.index, 0
