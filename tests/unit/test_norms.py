@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zerotrain.optim.clip import global_grad_norm
-from zerotrain.utils.norms import ROW, squared_norm
+from zerotrain.utils.norms import ROW, SHORT, shard_squared_norms, squared_norm
 
 
 def _ulps_from_fp64(value: torch.Tensor, exact: float) -> float:
@@ -52,3 +52,21 @@ def test_norm_of_many_tensors_and_infinities() -> None:
     parts[1][7] = float("nan")
     assert torch.isnan(global_grad_norm(parts))
     assert global_grad_norm([]).item() == 0.0
+
+
+def test_shard_norms_are_exact_and_do_not_depend_on_their_companions() -> None:
+    """The global norm's per-shard sums: short shards in fp64 (within 1e-13), one
+    foreach reduction for all of them, and the same value whether a shard is taken alone
+    (a slice in a swap file, as it is written) or with the others."""
+    gen = torch.Generator().manual_seed(3)
+    shards = [torch.randn(n, generator=gen) * 100 for n in (1, 1000, SHORT, SHORT + 1, 3 * ROW + 5)]
+    shards.append((torch.randn(2000, generator=gen) * 300).to(torch.float16))  # squares overflow
+    shards.append(torch.empty(0))
+    together = shard_squared_norms(shards)
+    for shard, square in zip(shards, together, strict=True):
+        assert square.dtype == torch.float64
+        assert torch.equal(square, shard_squared_norms([shard])[0])
+        exact = float(shard.double().square().sum())
+        rel = 1e-13 if shard.numel() <= SHORT else 5e-7  # long ones: squared_norm's rows
+        assert square.item() == pytest.approx(exact, rel=rel, abs=0.0)
+    assert together[-2].item() > 65504.0  # no fp16 overflow

@@ -20,7 +20,7 @@ import torch
 from zerotrain.offload.aio import IOFuture
 from zerotrain.offload.swap import SwapRegion
 from zerotrain.utils.invariant import invariant
-from zerotrain.utils.norms import squared_norm
+from zerotrain.utils.norms import shard_squared_norms
 
 
 class SwappedTensor:
@@ -202,7 +202,7 @@ class SwappedSlot:
         sum of squares first."""
         if final:
             # The same function as for resident values, so clipping is bitwise unchanged.
-            self._squares = squared_norm(self.swapped.tensor)
+            self._squares = shard_squared_norms([self.swapped.tensor])[0]
         if self._writer is not None:
             self._writer.put(self.swapped)
             return

@@ -24,6 +24,7 @@ it (stages 2-3); a full buffer of another dtype is converted for the reduction a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,32 @@ from zerotrain.shard.storage import ResidentSlot, SlotStorage, StatePlacement
 from zerotrain.utils.invariant import invariant
 
 StagingProvider = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StagingViews:
+    """The views one unit takes of a staging buffer, made once per (buffer, unit)."""
+
+    used: torch.Tensor  # the unit's part: its padded size
+    params: list[torch.Tensor]  # each parameter's, shaped like it
+    padding: torch.Tensor  # after the parameters (zeros in every reduction)
+    owned: torch.Tensor  # this rank's range: the reduce-scatter's output
+
+    @staticmethod
+    def of(
+        buffer: torch.Tensor,
+        params: FlatParamBuffer | PartitionedParams,
+        owned: tuple[int, int],
+    ) -> StagingViews:
+        """The views unit ``params`` (owning ``owned`` of it) takes of ``buffer``."""
+        layout = params.layout
+        used = buffer[: layout.padded_numel]
+        return StagingViews(
+            used=used,
+            params=[params.view(used, i) for i in range(len(params.params))],
+            padding=used[layout.numel :],
+            owned=used[owned[0] : owned[1]],
+        )
 
 
 def divisors(
@@ -230,8 +257,8 @@ class ShardedGradients:
         self.shard = torch.zeros(
             owned[1] - owned[0], dtype=dtype or buffer.dtype, device=buffer.device
         )
-        # (pool buffer, the part of it this unit uses) while gradients are being staged
-        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (pool buffer, this unit's views of it) while gradients are being staged
+        self._staging: tuple[torch.Tensor, StagingViews] | None = None
         self._staged: set[int] = set()  # parameters copied into staging this micro-step
         # Parameters whose param.grad holds a gradient not yet in staging, in arrival order.
         self._pending: dict[int, None] = {}
@@ -266,18 +293,20 @@ class ShardedGradients:
         is empty between passes, as before any gradient arrived."""
         self._flush()
 
-    def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, StagingViews]:
+        """The staging buffer this unit holds (taken from the pool on first need), and its
+        views of it (made on the first use of that buffer by this unit, then kept)."""
         if self._staging is None:
             pooled = staging()
-            self._staging = (pooled, pooled[: self.buffer.layout.padded_numel])
+            views = self.pool.views(
+                pooled, self, lambda b: StagingViews.of(b, self.buffer, self.owned)
+            )
+            self._staging = (pooled, views)
         return self._staging
 
-    def _views(self) -> list[torch.Tensor]:
-        """Each parameter's view of the staging buffer this unit holds."""
+    def _views(self) -> StagingViews:
         invariant(self._staging is not None, "staging views without a staging buffer")
-        pooled = self._staging[0]  # type: ignore[index]
-        indices = range(len(self.buffer.params))
-        return self.pool.views(pooled, self, lambda b: [self.buffer.view(b, i) for i in indices])
+        return self._staging[1]  # type: ignore[index]
 
     def accept(self, index: int, staging: StagingProvider) -> None:
         """``params[index]``'s gradient is in ``param.grad``: it stays there (autograd adds
@@ -298,7 +327,7 @@ class ShardedGradients:
         gradient into staging, one foreach operation each way, and free them."""
         if not self._pending:
             return
-        views = self._views()
+        views = self._views().params
         params = self.buffer.params
         fresh = {i: g for i in self._pending if (g := params[i].grad) is not None}
         copy = [i for i in fresh if i not in self._staged]
@@ -313,15 +342,14 @@ class ShardedGradients:
         self._staged.update(copy)
         self._pending.clear()
 
-    def _zero_unstaged(self, full: torch.Tensor) -> None:
+    def _zero_unstaged(self, views: StagingViews) -> None:
         """Zero the parts of staging no gradient was copied into (unused parameters and
         padding contribute zeros to the reduction)."""
-        layout = self.buffer.layout
         unstaged = [i for i in range(len(self.buffer.params)) if i not in self._staged]
         if unstaged:
-            views = self._views()
-            torch._foreach_zero_([views[i] for i in unstaged])
-        full[layout.numel :].zero_()
+            torch._foreach_zero_([views.params[i] for i in unstaged])
+        if views.padding.numel():
+            views.padding.zero_()
         self._staged.clear()
 
     def reduce(
@@ -334,12 +362,11 @@ class ShardedGradients:
     ) -> CollectiveIO:
         """The reduce-scatter of this micro-step's staged gradients, which adds them to
         ``shard`` when done; ``final``: the window's last reduction."""
-        pooled, full = self._stage(staging)
+        pooled, views = self._stage(staging)
         self._flush()
-        self._zero_unstaged(full)
+        self._zero_unstaged(views)
         self._staging = None
-        lo, hi = self.owned
-        out = full[lo:hi]
+        full, out = views.used, views.owned
         pre, post = divisors(policy, full.dtype, full.dtype)
         if pre != 1.0:
             full.div_(pre)

@@ -101,6 +101,12 @@ class PartitionedParams:
         # in a file, read back for each gather (``prefetch_shard`` starts that ahead of need).
         self.slot: SlotStorage = ResidentSlot(shard)
         self.full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        # Each parameter's view of the buffer, and this rank's range of it, made once while
+        # the storage has its size (a view is checked against it when made): they stay
+        # valid as the storage is freed and resized back, so a gather points .data at them
+        # without a slice and a view per parameter.
+        self._full_views = [self.view(self.full, i) for i in range(len(self.params))]
+        self._owned_full = self.full[self.owned[0] : self.owned[1]]
         self.state = ShardState.GATHERED  # until the free() below
         self._pins = 0
         self._released = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -211,8 +217,8 @@ class PartitionedParams:
         self._move(ShardState.GATHERING, "gather")
         self.slot.materialize()
         self.full.untyped_storage().resize_(self.full_nbytes)
-        for i, param in enumerate(self.params):
-            param.data = self.view(self.full, i)
+        for param, view in zip(self.params, self._full_views, strict=True):
+            param.data = view
         # Refilling the buffer is not a change autograd must see: views saved for backward
         # hold exactly these values again.
         return CollectiveIO(
@@ -223,9 +229,8 @@ class PartitionedParams:
         """The all-gather of updated slices into the buffer already gathered (persistent
         units), this rank's slice copied in already."""
         invariant(self.gathered, "refresh of a unit that is not gathered")
-        lo, hi = self.owned
-        self.full[lo:hi].copy_(self.shard)
-        return CollectiveIO("all_gather", self.full, self.full[lo:hi], "parameters", label)
+        self._owned_full.copy_(self.shard)
+        return CollectiveIO("all_gather", self.full, self._owned_full, "parameters", label)
 
     def scatter_back(self) -> None:
         """Copy this rank's slice of the gathered buffer into permanent storage (after the

@@ -8,10 +8,13 @@ the buffer is reused. Two buffers let one reduction run while the next unit fill
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from zerotrain.utils.invariant import invariant
+
+T = TypeVar("T")
 
 
 class StagingPool:
@@ -34,7 +37,7 @@ class StagingPool:
         # Per (buffer, unit): the unit's parameter-shaped views of the buffer, made once.
         # A view per parameter per micro-step would be two host operations each (a slice
         # and a view), which on a GPU are launches the device waits for.
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._views: dict[tuple[int, int], Any] = {}
 
     @property
     def nbytes(self) -> int:
@@ -62,18 +65,13 @@ class StagingPool:
         """Return a buffer acquired from this pool."""
         self._free.append(buffer)
 
-    def views(
-        self,
-        buffer: torch.Tensor,
-        owner: object,
-        make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]:
+    def views(self, buffer: torch.Tensor, owner: object, make: Callable[[torch.Tensor], T]) -> T:
         """``make(buffer)``, the views ``owner`` (a unit's gradients) takes of a buffer of
         this pool, made on the first call for that pair and kept while the buffer is."""
         key = (id(buffer), id(owner))
-        found = self._views.get(key)
-        if found is None:
-            found = self._views[key] = make(buffer)
+        if key not in self._views:
+            self._views[key] = make(buffer)
+        found: T = self._views[key]
         return found
 
     def drop_idle(self) -> None:

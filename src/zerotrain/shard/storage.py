@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from zerotrain.utils.norms import squared_norm
+from zerotrain.utils.norms import shard_squared_norms
 
 
 class SlotStorage(Protocol):
@@ -137,7 +137,7 @@ class ResidentSlot:
 
     def squared_norm(self, values: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Sum of squares of ``values()``, taken now."""
-        return squared_norm(values())
+        return shard_squared_norms([values()])[0]
 
     def zero_(self, unread: bool) -> None:
         """Zero the tensor in place (cheap in memory, so done even when ``unread``)."""

@@ -24,15 +24,13 @@ from torch import nn
 from zerotrain.comm.agreement import disagreements
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
-from zerotrain.optim.clip import norm_from_squares
 from zerotrain.shard.io import CollectiveIO
-from zerotrain.shard.storage import ResidentSlot
 from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import LargeAllocationMapping
-from zerotrain.utils.norms import squared_norm, squared_norms, sum_squares
 from zerotrain.zero.gather import ParamGatherer
+from zerotrain.zero.grad_norms import GradNorms
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
 from zerotrain.zero.init import replaying
@@ -181,13 +179,7 @@ class ZeroStrategy:
         self._outside_changes: dict[int, torch.Tensor] = {}
         self._told_changed: set[int] = set()
         self._told_unused_swapped = False
-        # Units whose gradients another rank of a distinct axis also holds (a pipeline
-        # stage's copy of a tied embedding): left out of the global norm, counted once.
-        self._norm_excluded: set[int] = set()
-        # Per unit with elements another rank along a distinct axis counts (parameters whole
-        # on every tensor-parallel rank, counted on the group's first rank only): the
-        # ranges of its owned gradient slice this rank counts in the global norm.
-        self._norm_ranges: dict[int, list[tuple[int, int]]] = {}
+        self.norms = GradNorms(self.units, comm, zero.shard_optimizer, self.distinct_axes)
         # Gradients summed over a group once per step (sequence-parallel LayerNorms and row
         # biases over the tensor group): per group, (unit, start, end) of the owned slices.
         self._group_sums: list[tuple[Communicator, list[tuple[int, int, int]]]] = []
@@ -376,15 +368,6 @@ class ZeroStrategy:
 
     # -- optimizer step -------------------------------------------------------------------------
 
-    def _sum_across_shards(self, tensor: torch.Tensor) -> None:
-        self.comm.all_reduce(tensor, purpose="control")
-
-    def _sum_across_grid(self, tensor: torch.Tensor) -> None:
-        if self.zero.shard_optimizer:
-            self._sum_across_shards(tensor)
-        for axis in self.distinct_axes:
-            axis.all_reduce(tensor, purpose="control")
-
     def reduced_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradients, one flat tensor per unit (for clipping: together
         over all ranks they hold each gradient element exactly once, or, at stage 0, every
@@ -394,100 +377,28 @@ class ZeroStrategy:
         return [u.grad_shard for u in self.units]
 
     def shard_norm_reducer(self) -> Callable[[torch.Tensor], None] | None:
-        """Sums partial squared norms of *one parameter* over the ranks it is split across
-        (per-parameter norms: LAMB's trust ratios), or None when parameters are whole."""
-        return self._sum_across_shards if self.zero.shard_optimizer else None
+        """See ``GradNorms.shard_reducer``."""
+        return self.norms.shard_reducer()
 
     def global_norm_reducer(self) -> Callable[[torch.Tensor], None] | None:
-        """Sums partial squared norms over every rank that holds distinct gradient elements:
-        the ZeRO group when gradients are sharded, then each of ``distinct_axes``. One
-        composable reducer, so clipping and the fp16 overflow decision (a non-finite norm)
-        agree on every rank of the grid. None when this rank holds every element."""
-        if not self.zero.shard_optimizer and not self.distinct_axes:
-            return None
-        return self._sum_across_grid
+        """See ``GradNorms.global_reducer``."""
+        return self.norms.global_reducer()
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the reduced gradients (0-d fp32; one all-reduce per axis that
-        holds distinct elements). Gradient slices in swap files contribute the sums taken
-        as they were written."""
-        for unit in self.units:
-            unit.check_reduced()
-        if self._local:
-            return self._local_norm()
-        counted = [k for k in range(len(self.units)) if k not in self._norm_excluded]
-        # Slices resident for good are read together (one foreach norm for the short ones);
-        # the others report what their storage recorded.
-        together = [
-            k
-            for k in counted
-            if k not in self._norm_ranges and isinstance(self.units[k].grads.slot, ResidentSlot)
-        ]
-        shards = [self.units[k].grad_shard for k in together]
-        by_unit = dict(zip(together, squared_norms(shards), strict=True))
-        squares = [
-            by_unit[k]
-            if k in by_unit
-            else self._counted_squares(k, self.units[k])
-            if k in self._norm_ranges
-            else self.units[k].grad_squared_norm()
-            for k in counted
-        ]
-        return norm_from_squares(squares, self.global_norm_reducer())
-
-    def _local_norm(self) -> torch.Tensor:
-        """With each rank's own gradients: the quadratic mean of their norms over the ranks,
-        ``sqrt(mean_r ||g_r||^2)`` (one scalar all-reduce). It bounds the norm of their
-        average, so clipping by it never lets a step grow past what clipping the averaged
-        gradient would allow; and one inf/NaN on any rank makes it non-finite everywhere."""
-
-        def mean_over_ranks(total: torch.Tensor) -> None:
-            self.comm.all_reduce(total, purpose="control")
-            total.div_(self.comm.world_size)
-
-        squares = [squared_norm(u.grads.flat) for u in self.units]  # type: ignore[union-attr]
-        return norm_from_squares(squares, mean_over_ranks)
+        """Global L2 norm of the reduced gradients (``GradNorms.global_norm``)."""
+        return self.norms.global_norm(local=self._local)
 
     def first_nonfinite_grad(self) -> str | None:
-        """The first parameter, in unit order, whose reduced gradient holds inf/NaN in this
-        rank's slices (None: none here; another rank's slices may hold it)."""
-        return next((n for u in self.units if (n := u.first_nonfinite_grad()) is not None), None)
-
-    def _counted_squares(self, k: int, unit: ShardedUnit) -> torch.Tensor:
-        if unit.grads.slot.streamed:
-            raise NotImplementedError(
-                f"{unit!r}: the global gradient norm of a unit holding both split and whole "
-                "tensor-parallel parameters needs its gradient in memory, but it is kept in "
-                "a swap file (NVMe offload); offload to the CPU instead"
-            )
-        grad = unit.grad_shard
-        parts = [grad[a:b] for a, b in self._norm_ranges[k]]
-        return (
-            sum_squares(squared_norms(parts)) if parts else grad.new_zeros((), dtype=torch.float64)
-        )
+        """See ``GradNorms.first_nonfinite``."""
+        return self.norms.first_nonfinite()
 
     def count_once_elsewhere(self, params: Iterable[torch.Tensor]) -> None:
-        """Leave ``params``'s gradient elements out of :meth:`grad_norm` on this rank:
-        they are whole on every rank of a distinct axis (a LayerNorm under tensor
-        parallelism) and another rank counts them."""
-        ids = {id(p) for p in params}
-        for k, unit in enumerate(self.units):
-            lo, hi = unit.owned
-            skipped = []
-            for param, spec in zip(unit.buffer.params, unit.buffer.layout.params, strict=True):
-                a, b = max(lo, spec.start), min(hi, spec.end)
-                if id(param) in ids and a < b:
-                    skipped.append((a - lo, b - lo))
-            if not skipped:
-                continue
-            counted, at = [], 0
-            for a, b in sorted(skipped):
-                if a > at:
-                    counted.append((at, a))
-                at = max(at, b)
-            if at < hi - lo:
-                counted.append((at, hi - lo))
-            self._norm_ranges[k] = counted
+        """See ``GradNorms.count_once_elsewhere``."""
+        self.norms.count_once_elsewhere(params)
+
+    def exclude_from_norm(self, units: Iterable[int]) -> None:
+        """See ``GradNorms.exclude``."""
+        self.norms.exclude(units)
 
     def sum_over_group_each_step(self, params: Sequence[torch.Tensor], comm: Communicator) -> None:
         """From now on, sum the reduced gradients of ``params`` over ``comm`` once per step
@@ -545,11 +456,6 @@ class ZeroStrategy:
             for k, unit in enumerate(self.units)
             if all(p.fqn.startswith(prefix) for p in unit.buffer.layout.params)
         ]
-
-    def exclude_from_norm(self, units: Iterable[int]) -> None:
-        """Leave ``units`` out of :meth:`grad_norm` on this rank: another rank along a
-        distinct axis holds the same gradients and counts them."""
-        self._norm_excluded.update(units)
 
     def scale_grads(self, coef: torch.Tensor | None) -> None:
         """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
