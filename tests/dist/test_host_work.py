@@ -127,3 +127,42 @@ def test_writes_through_data_are_taken_when_the_engine_is_told(stage):
         assert weights == [0.5] * 16
     for weights in untold:
         assert all(w != 0.5 for w in weights)
+
+
+def _syncs(stage: int, action: str) -> int:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+        "non_finite_gradients": {"action": action},
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    x = torch.randn(2, 8)
+
+    def step() -> None:
+        for _ in range(2):
+            engine.backward(engine(x).square().mean())
+            engine.step()
+
+    for _ in range(2):
+        step()
+    counter = _EngineOps()
+    with counter:
+        step()
+    return counter.all["aten._local_scalar_dense"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_steady_step_reads_nothing_back_but_the_inf_nan_verdict(stage):
+    """Host syncs in a steady step (two micro-steps, clipping on), counted as
+    ``_local_scalar_dense`` (``.item()``, ``bool()`` of a tensor): none when nothing asks
+    for a verdict on inf/NaN gradients (``non_finite_gradients.action: "ignore"``), one
+    with the default ``"skip"``, which decides on the host whether the step runs."""
+    for rank_syncs in run_distributed(_syncs, 2, stage, "ignore"):
+        assert rank_syncs == 0
+    for rank_syncs in run_distributed(_syncs, 2, stage, "skip"):
+        assert rank_syncs == 1

@@ -190,6 +190,7 @@ class ShardedUnit:
         self.groups = tuple(groups)
         self.param_ids = tuple(param_ids)
         self.trainable = tuple(trainable) if trainable is not None else (True,) * len(params)
+        self.trainable_count = sum(self.trainable)
         self.pool = staging
         self.grads: FullGradients | ShardedGradients
         if zero.shard_gradients:

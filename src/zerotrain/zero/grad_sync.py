@@ -34,6 +34,15 @@ def _on_grad(sync: weakref.ref[GradientSynchronizer], u: int, i: int, param: tor
         target._on_grad(u, i, param)
 
 
+def _acquire_staging(
+    sync: weakref.ref[GradientSynchronizer], pool: StagingPool | None
+) -> torch.Tensor:
+    target = sync()
+    if target is None:
+        raise InvariantError("staging asked of a dropped gradient synchronizer")
+    return target._acquire_staging(pool)
+
+
 def _before_grad(sync: weakref.ref[GradientSynchronizer], grad: torch.Tensor) -> None:
     target = sync()
     if target is not None:
@@ -106,6 +115,9 @@ class GradientSynchronizer:
         # (parameter -> hook -> units -> parameter) that keeps a dropped engine's model,
         # shards and communicators alive until the process ends.
         me = weakref.ref(self)
+        # Each unit's staging provider, made once (a hook allocates nothing per call); weak
+        # like the hooks, so that it closes no cycle either.
+        self._staging = [functools.partial(_acquire_staging, me, unit.pool) for unit in units]
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
                 if unit.trainable[i]:
@@ -170,7 +182,7 @@ class GradientSynchronizer:
                 "backward pass; call engine.backward() once per micro-step (sum several losses "
                 "first) and do not run a second backward on the same micro-step"
             )
-        unit.accept_grad(i, functools.partial(self._acquire_staging, unit.pool))
+        unit.accept_grad(i, self._staging[u])
         if i in self._ready[u]:
             return
         self._ready[u].add(i)
@@ -211,9 +223,10 @@ class GradientSynchronizer:
             pending[0].wait()  # its completion returns a buffer to the pool
 
     def _launch_next(self) -> None:
-        unit = self.units[self._order[self._next]]
-        staging = functools.partial(self._acquire_staging, unit.pool)
-        handle = issue(self.comm, unit.launch_reduce(final=self._final, staging=staging))
+        u = self._order[self._next]
+        handle = issue(
+            self.comm, self.units[u].launch_reduce(final=self._final, staging=self._staging[u])
+        )
         self._next += 1
         if self.overlap:
             self._handles.append(handle)

@@ -173,6 +173,8 @@ class ZeroStrategy:
         self._local = False
         self._is_last_backward: bool | None = None
         self._used: tuple[torch.Tensor, Handle] | None = None
+        # Whether every trainable parameter got a gradient on this rank in the window.
+        self._used_everything = False
         self._placeholders: dict[int, torch.Tensor] = {}
         # Elements changed outside the optimizer per unit, kept as device tensors until the
         # engine reports (reading them syncs a GPU).
@@ -476,10 +478,16 @@ class ZeroStrategy:
         # case (everything used) is recognised with one check. At stage 3 the gather
         # fingerprint rides along, as (v, -v): one max-reduction yields its max and min.
         flags = torch.ones(self.num_params, dtype=torch.float64, device=self.comm.device)
-        flags[self._trainable_ids] = 0.0
-        ids = [unit.param_ids[i] for unit in self.units for i in unit.received]
-        if ids:
-            flags[torch.tensor(ids, device=flags.device)] = 1.0
+        # The common case, every trainable parameter got a gradient here, needs no index
+        # tensor (built from a Python list, a host-to-device copy on an accelerator).
+        self._used_everything = all(
+            len(unit.received) == unit.trainable_count for unit in self.units
+        )
+        if not self._used_everything:
+            flags[self._trainable_ids] = 0.0
+            ids = [unit.param_ids[i] for unit in self.units for i in unit.received]
+            if ids:
+                flags[torch.tensor(ids, device=flags.device)] = 1.0
         if self.gatherer is not None:
             prints = torch.tensor(self.gatherer.fingerprint(), dtype=torch.float64)
             self.gatherer.reset_fingerprint()
@@ -532,6 +540,11 @@ class ZeroStrategy:
         if self.gatherer is not None:
             self._check_same_gathers(flags[self.num_params :])
             flags = flags[: self.num_params]
+        if self._used_everything:
+            # Every parameter got a gradient here, so the maximum over the ranks (and over
+            # share_used's groups) is all ones: nothing to read back (a host sync on an
+            # accelerator).
+            return []
         if bool(flags.all()):
             return []
         used = set(flags.nonzero().view(-1).tolist())
