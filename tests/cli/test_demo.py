@@ -13,7 +13,7 @@ from zerotrain.checkpoint.directory import read_latest
 def _demo(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "zerotrain.cli.main", "demo", "--steps", str(steps)]
     return subprocess.run(
-        [*command, "--out-dir", str(out), "--save-every", "20", *extra],
+        [*command, "--out-dir", str(out), "--save-every", "10", *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -21,7 +21,7 @@ def _demo(out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str
 
 
 def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
-    proc = _demo(tmp_path, 30)
+    proc = _demo(tmp_path, 20)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "summary.txt").read_text()
     first, last = map(float, re.search(r"training loss: ([\d.]+) .* -> ([\d.]+)", summary).groups())
@@ -33,17 +33,17 @@ def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
 
     checkpoints = tmp_path / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "global_step10",
         "global_step20",
-        "global_step30",
         "latest",
     ]
 
     # Resuming with activation checkpointing on: the same model and checkpoint either way.
-    resumed = _demo(tmp_path, 40, "--resume", "--checkpoint-activations")
+    resumed = _demo(tmp_path, 24, "--resume", "--checkpoint-activations")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
-    assert "at step 30" in resumed.stdout
+    assert "at step 20" in resumed.stdout
     assert "activation checkpointing: 4 block(s)" in resumed.stdout + resumed.stderr
     summary = (tmp_path / "summary.txt").read_text()
-    assert "steps 31-40" in summary
-    assert read_latest(checkpoints).tag == "global_step40"
+    assert "steps 21-24" in summary
+    assert read_latest(checkpoints).tag == "global_step24"

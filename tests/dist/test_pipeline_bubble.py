@@ -1,10 +1,17 @@
 """The executor's idle time is the schedule's, not more.
 
 Each stage is one synthetic layer whose forward sleeps ``t`` and whose backward sleeps
-``2t`` (sleeping uses no CPU, so four processes on two cores do not blur it). The measured
-bubble of a step (the share of P x makespan during which a rank computes nothing) is within
-10% of theory, ``(P-1)/(M+P-1)``, for GPipe and 1F1B on 2 and 4 stages with M = 8; the
-simulator gives the same theory for the same instruction lists.
+``2t`` (sleeping uses no CPU, so four processes on two cores do not blur it). For GPipe
+and 1F1B on 2 and 4 stages with M = 8:
+
+- the simulator gives the theoretical bubble, ``(P-1)/(M+P-1)``, for the instruction lists;
+- the measured step takes what the simulator makes of the same lists replayed with the
+  action durations the ranks measured, plus less than one forward (``t``) in all for
+  the executor's own work and the transfers. Replaying the measured durations takes the
+  noise of the sleeps out of the comparison (a sleep overshoots by a few milliseconds on a
+  loaded machine, and 18-22 of them lie on the critical path); what is left is the time the
+  executor adds. A rank that waited one action too long, or stages that ran one after
+  another, would add ``t`` or more.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from torch import nn
 
 import zerotrain
 from zerotrain.parallel.pipeline.builders import build_schedule
-from zerotrain.parallel.pipeline.schedule import ActionType
+from zerotrain.parallel.pipeline.schedule import Action, ActionType
 from zerotrain.parallel.pipeline.simulate import simulate
 from zerotrain.pipe import LayerSpec, PipelineModule
 from zerotrain.testing.dist import run_distributed
@@ -51,7 +58,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def _timeline(stages: int, schedule: str) -> list[tuple[str, float, float]]:
+def _timeline(stages: int, schedule: str) -> list[tuple[Action, float, float]]:
     module = PipelineModule(
         [LayerSpec(SleepyLayer) for _ in range(stages)], num_stages=stages, loss_fn=_loss
     )
@@ -67,22 +74,26 @@ def _timeline(stages: int, schedule: str) -> list[tuple[str, float, float]]:
     engine.executor.record_timeline = True
     for _ in range(2):  # the first step pays for descriptions and warm-up
         engine.train_batch(iter(batches))
-    return [(str(a), start, end) for a, start, end in engine.executor.timeline]
+    return list(engine.executor.timeline)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_measured_bubble_is_within_ten_percent_of_theory(stages, schedule):
+def test_measured_step_is_the_schedule_replayed_plus_less_than_one_forward(stages, schedule):
     timelines = run_distributed(_timeline, stages, stages, schedule, timeout=180)
-    spans = [(start, end) for rank in timelines for _, start, end in rank]
-    makespan = max(e for _, e in spans) - min(s for s, _ in spans)
-    busy = sum(e - s for s, e in spans)
-    measured = 1 - busy / (stages * makespan)
+    instructions = build_schedule(schedule, stages, MICRO)
     theory = (stages - 1) / (MICRO + stages - 1)
-    simulated = simulate(build_schedule(schedule, stages, MICRO)).bubble_fraction
-    assert simulated == pytest.approx(theory)
-    assert abs(measured - theory) <= 0.1 * theory, (measured, theory, makespan)
-    # Every compute action ran, each about as long as its sleep.
+    assert simulate(instructions).bubble_fraction == pytest.approx(theory)
+    # Every compute action ran, each at least as long as its sleep.
     assert all(len(t) == 2 * MICRO for t in timelines)
-    durations = [e - s for rank in timelines for a, s, e in rank if ActionType.FORWARD.value in a]
-    assert min(durations) >= T
+    assert {a for t in timelines for a, _, _ in t} == {
+        a for row in instructions.actions for a in row
+    }
+    forwards = [e - s for t in timelines for a, s, e in t if a.kind is ActionType.FORWARD]
+    assert min(forwards) >= T
+    spans = [(start, end) for t in timelines for _, start, end in t]
+    makespan = max(e for _, e in spans) - min(s for s, _ in spans)
+    replayed = simulate(instructions, durations={a: e - s for t in timelines for a, s, e in t})
+    overhead = makespan - replayed.makespan
+    assert overhead >= -1e-6  # a real step cannot beat its own replay
+    assert overhead < T, (makespan, replayed.makespan, theory, replayed.bubble_fraction)

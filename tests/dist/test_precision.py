@@ -4,6 +4,8 @@ per rank follows the ZeRO paper's mixed-precision Adam accounting."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,26 +73,35 @@ def _bf16_run(spec: RunSpec) -> dict:
     return {**result, "dtypes": sorted(map(str, engine_dtypes))}
 
 
+CURVE_STEPS = 30  # the long horizon (300 steps, a picture) is benchmarks/bf16_curves.py
+
+
+@functools.cache
+def _fp32_curve() -> dict:
+    """fp32 training of the same global batches in this process, once for every stage."""
+    return train_reference(RunSpec(steps=CURVE_STEPS, **DEMO_RUN), 2)
+
+
 @pytest.mark.parametrize("stage", STAGES)
-def test_bf16_follows_the_fp32_loss_curve_for_100_steps(stage):
+def test_bf16_follows_the_fp32_loss_curve(stage):
     """The demo GPT on 2 ranks, accumulation 2, clipping: within 2% of fp32 training of
-    the same global batches at every 10th step (measured: within 0.7%)."""
+    the same global batches at every 5th step (measured: within 0.61%, and the stages'
+    losses equal; over 300 steps the same 0.61%, benchmarks/bf16_curves.py)."""
     bf16 = RunSpec(
         stage=stage,
-        steps=100,
+        steps=CURVE_STEPS,
         extra_config={"bf16": {"enabled": True}, "zero_optimization": _zero(stage)},
         **DEMO_RUN,
     )
     results = run_distributed(_bf16_run, 2, bf16)
-    reference = train_reference(RunSpec(steps=100, **DEMO_RUN), 2)
-    ref = reference["losses"]
+    ref = _fp32_curve()["losses"]
     for result in results:
         assert result["dtypes"] == ["torch.bfloat16"]  # parameters live in bf16
         got = result["losses"]
-        for step in [*range(0, 100, 10), 99]:
+        for step in [*range(0, CURVE_STEPS, 5), CURVE_STEPS - 1]:
             rel = abs(got[step] - ref[step]) / ref[step]
             assert rel < 0.02, f"step {step}: bf16 {got[step]:.4f} vs fp32 {ref[step]:.4f}"
-    assert ref[99] < ref[0] - 1.0  # it trained
+    assert ref[-1] < ref[0] - 1.0  # it trained
 
 
 def _tiny_updates(stage: int) -> dict:

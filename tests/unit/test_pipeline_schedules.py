@@ -260,6 +260,24 @@ def test_zb_h1_fills_the_bubble_within_1f1b_memory(p: int, m: int) -> None:
             assert t >= zb.finish[Action(a.stage, T.BACKWARD_INPUT, a.microbatch)]
 
 
+def test_per_action_durations_replay_slow_actions() -> None:
+    """In 1F1B(2, 4) a slow first forward delays the whole step by its extra time, while
+    the same delay on 0F1, which has slack (rank 1 is busy with 1B0 until it needs 0F1's
+    output), costs nothing; the other actions keep the kind costs."""
+    s = one_f_one_b(2, 4)
+    base = simulate(s)
+    first = simulate(s, durations={Action(0, T.FORWARD, 0): 1.5})
+    assert first.makespan == base.makespan + 0.5
+    assert first.start[Action(1, T.FORWARD, 0)] == base.start[Action(1, T.FORWARD, 0)] + 0.5
+    assert first.busy == (base.busy[0] + 0.5, base.busy[1])
+    slack = simulate(s, durations={Action(0, T.FORWARD, 1): 1.5})
+    assert slack.makespan == base.makespan
+    with pytest.raises(ValueError, match="duration of 0F1 must be finite"):
+        simulate(s, durations={Action(0, T.FORWARD, 1): float("nan")})
+    with pytest.raises(ValueError, match="durations name actions the schedule lacks: 0F9"):
+        simulate(s, durations={Action(0, T.FORWARD, 9): 1.0})
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ that does nothing else; it is what the schedules' bubble formulas describe.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -71,7 +71,9 @@ class Simulation:
 
 
 def simulate(
-    schedule: PipelineSchedule, cost: Mapping[ActionType, float] | None = None
+    schedule: PipelineSchedule,
+    cost: Mapping[ActionType, float] | None = None,
+    durations: Mapping[Action, float] | None = None,
 ) -> Simulation:
     """Validate ``schedule``, then time it.
 
@@ -79,6 +81,10 @@ def simulate(
         schedule: compute-only, or lowered with ``with_communication``.
         cost: time per action kind, overriding the defaults F=1, B=2, I=1, W=1 and 0 for
             transfers and REDUCE_GRAD.
+        durations: time of individual actions, overriding ``cost`` for those named. Given
+            the durations an executor measured, the makespan is what the step would take
+            if the runtime added nothing between actions; the measured makespan minus this
+            is the runtime's own overhead, free of the noise in the actions' lengths.
 
     Raises:
         ValueError: an invalid schedule (see ``validate_schedule``) or a negative or
@@ -94,9 +100,20 @@ def simulate(
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"cost of {kind.name} must be finite and >= 0, got {value!r}")
         costs[kind] = float(value)
+    each = dict(durations or {})
+    for action, value in each.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"duration of {action} must be finite and >= 0, got {value!r}")
     where = validate_schedule(schedule)
-    start, finish = _run(schedule, where, costs)
-    busy = tuple(sum(costs[a.kind] for a in row) for row in schedule.actions)
+    unknown = [str(a) for a in each if a not in where]
+    if unknown:
+        raise ValueError(f"durations name actions the schedule lacks: {', '.join(unknown[:5])}")
+
+    def length(action: Action) -> float:
+        return each.get(action, costs[action.kind])
+
+    start, finish = _run(schedule, where, length)
+    busy = tuple(sum(length(a) for a in row) for row in schedule.actions)
     makespan = max(finish.values(), default=0.0)
     total = schedule.num_ranks * makespan
     stage_peaks, rank_peaks = _live_activations(schedule)
@@ -121,7 +138,7 @@ def start_times(schedule: PipelineSchedule) -> dict[Action, float]:
     where = {
         a: (rank, pos) for rank, row in enumerate(schedule.actions) for pos, a in enumerate(row)
     }
-    return _run(schedule, where, DEFAULT_COSTS)[0]
+    return _run(schedule, where, lambda action: DEFAULT_COSTS[action.kind])[0]
 
 
 def dependencies(action: Action, where: Mapping[Action, Location]) -> tuple[Action, ...]:
@@ -144,7 +161,9 @@ def dependencies(action: Action, where: Mapping[Action, Location]) -> tuple[Acti
 
 
 def _run(
-    schedule: PipelineSchedule, where: Mapping[Action, Location], costs: Mapping[ActionType, float]
+    schedule: PipelineSchedule,
+    where: Mapping[Action, Location],
+    length: Callable[[Action], float],
 ) -> tuple[dict[Action, float], dict[Action, float]]:
     rows = schedule.actions
     nxt = [0] * schedule.num_ranks
@@ -160,7 +179,7 @@ def _run(
                 if any(d not in finish for d in deps):
                     break
                 begin = max([clock[rank], *(finish[d] for d in deps)])
-                start[action], finish[action] = begin, begin + costs[action.kind]
+                start[action], finish[action] = begin, begin + length(action)
                 clock[rank] = finish[action]
                 nxt[rank] += 1
                 progressed = True
