@@ -154,6 +154,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self.skipped_steps = 0
         self._consecutive_skips = 0  # fp32/bf16 steps skipped in a row for inf/NaN
         self._step_applied = True
+        self._compiled = False
         # What the units did not take (frozen parameters at stages 0-2, buffers) is cast to
         # the compute dtype too, as after model.to(dtype); destroy() casts it back.
         self._cast_back: list[tuple[torch.Tensor, torch.dtype]] = []
@@ -585,6 +586,39 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without fp16 loss scaling)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def compile(
+        self,
+        backend: str | Callable[..., Any] = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """Compile the whole model with ``torch.compile`` in place (DeepSpeed's
+        ``engine.compile``; a second call does nothing). The engine's hooks run eagerly
+        between the compiled graphs. Compiling blocks yourself (``block.compile()`` on each,
+        before or after ``initialize``) is the finer alternative, one graph per block
+        (docs/performance.md).
+
+        Raises:
+            NotImplementedError: ``schedule`` (DeepCompile's passes) or
+                ``compiled_autograd_enabled``, which zerotrain does not have.
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError(
+                "engine.compile: schedule= (DeepCompile's passes) and "
+                "compiled_autograd_enabled=True are DeepSpeed's, not zerotrain's; call "
+                "engine.compile(backend=..., compile_kwargs=...) without them"
+            )
+        if self._compiled:
+            return
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``compile`` compiled the model (DeepSpeed's property)."""
+        return self._compiled
 
     def was_step_applied(self) -> bool:
         """False when the last optimizer step was skipped for a gradient overflow."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from zerotrain.comm import public as comm_public
 from zerotrain.comm.agreement import disagreements, failed_ranks
 from zerotrain.comm.buckets import broadcast_tensors
 from zerotrain.comm.collectives import Communicator
-from zerotrain.comm.env import init_distributed
+from zerotrain.comm.env import DistEnv, init_distributed
 from zerotrain.config.features import (
     ignored_keys,
     inert_keys,
@@ -30,15 +31,15 @@ from zerotrain.config.features import (
     tensor_parallel_size,
 )
 from zerotrain.config.loader import load_config
-from zerotrain.config.policies import ActivationCheckpointingPolicy, to_policies
+from zerotrain.config.policies import ActivationCheckpointingPolicy, Policies, to_policies
 from zerotrain.config.schema import ZeroTrainConfig
 from zerotrain.engine.compressed_setup import check_compressed, is_compressed
 from zerotrain.engine.data import DistributedDataLoader
 from zerotrain.engine.efficiency import setup_training_efficiency
 from zerotrain.engine.engine import Engine
 from zerotrain.engine.lr_find import LRFindRequest, LRRangeRecorder
-from zerotrain.engine.optimizers import make_optimizer, make_scheduler
-from zerotrain.engine.param_groups import resolve_param_groups
+from zerotrain.engine.optimizers import EngineOptimizer, make_optimizer, make_scheduler
+from zerotrain.engine.param_groups import ParamGroups, resolve_param_groups
 from zerotrain.engine.pipeline_engine import PipelineEngine
 from zerotrain.engine.pipeline_setup import (
     check_tied_units,
@@ -48,11 +49,12 @@ from zerotrain.engine.pipeline_setup import (
 )
 from zerotrain.engine.sequence_setup import distinct_random_streams, route_attention
 from zerotrain.engine.sparse_setup import setup_sparse_attention
-from zerotrain.engine.telemetry import predict_memory, telemetry_policy
+from zerotrain.engine.telemetry import TelemetryPolicy, predict_memory, telemetry_policy
 from zerotrain.engine.tensor_setup import split_model, tensor_plan
 from zerotrain.offload.manager import Offload
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.pipeline.module import PipelineModule
+from zerotrain.parallel.pipeline.schedule import PipelineSchedule
 from zerotrain.parallel.tensor.sequence_parallel import (
     restore_gradient_sums,
     take_over_gradient_sums,
@@ -60,7 +62,7 @@ from zerotrain.parallel.tensor.sequence_parallel import (
 from zerotrain.parallel.topology import Topology
 from zerotrain.precision.dtypes import check_device_supports
 from zerotrain.utils.logging import get_logger
-from zerotrain.zero.init import deferred_values, materialize
+from zerotrain.zero.init import DeferredValues, deferred_values, materialize
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.strategy import Stage3Options, ZeroStrategy
 
@@ -281,6 +283,35 @@ def _setup_activation_checkpointing(
     return context, True
 
 
+@dataclass
+class _Grid:
+    """What the steps after ``apply_grid`` share: the job, its groups and its policies."""
+
+    cfg: ZeroTrainConfig
+    env: DistEnv
+    world: Communicator
+    topology: Topology
+    groups: ProcessGroups
+    comm: Communicator  # ZeRO shards and reduces over data x sequence
+    policies: Policies
+    zero: ZeroPolicy
+    pipe_module: PipelineModule | None
+    schedule: PipelineSchedule | None
+    telemetry: TelemetryPolicy
+
+
+@dataclass
+class _Prepared:
+    """The model after ``apply_model``: on its device, identical across replicas, split."""
+
+    values: DeferredValues | None  # zero.Init's recipe, for stage 3 to materialize by unit
+    tensor_whole: list[nn.Parameter] | None  # whole on every tensor rank (norm counted once)
+    checkpoint_context: checkpointing.CheckpointingContext
+    wrapped_blocks: bool
+    ties: list[Any]
+    efficiency: Any  # progressive layer drop and curricula (engine.efficiency)
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -338,13 +369,45 @@ def initialize(
     source = _config_from_args(config, config_params, args)
     cfg = load_config(lr_find.override(source, lr_scheduler) if lr_find else source)
     _refuse_unimplemented(cfg)
+    grid = apply_grid(cfg, model, topology)
+    prepared = apply_model(model, grid)
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # a generator must be read only once
+        if optimizer is not None and not callable(optimizer):
+            log.warning(
+                "model_parameters is ignored: the optimizer passed to initialize "
+                "already defines its parameter groups"
+            )
+    user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    param_groups = resolve_param_groups(model, model_parameters, user_optimizer)
+    zero = apply_zero(model, grid, prepared, param_groups)
+    strategy = zero[0]
+    spec = grid.policies.optimizer
+    opt = make_optimizer(optimizer, spec, strategy, param_groups, model_parameters)
+    scheduler = make_scheduler(lr_scheduler, grid.policies.scheduler, opt.optimizer)
+    engine = apply_engine(model, grid, prepared, zero, opt, scheduler)
+    engine.training_dataloader = _data_loader(training_data, collate_fn, grid)
+    # DeepSpeed's engine.config: the config as passed (a path is read, so always a dict).
+    engine.config = (
+        dict(source)
+        if isinstance(source, dict)
+        else cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    )
+    if lr_find is not None:
+        engine.lr_find = LRRangeRecorder(lr_find, engine)
+    _log_summary(grid, strategy)
+    return engine, opt.optimizer, engine.training_dataloader, scheduler
 
+
+def apply_grid(cfg: ZeroTrainConfig, model: nn.Module, topology: Topology | None) -> _Grid:
+    """Join the job, check every rank has the same config, build the rank grid and its
+    groups, the policies, the pipeline's schedule and the logging; refuse precisions the
+    device or the pipeline cannot run."""
     env = init_distributed()
     world = Communicator(timeout=env.timeout, device=env.device)
     _check_same_config(world, cfg)
     topology = _resolve_topology(topology, cfg, env.world_size, model)
     groups = ProcessGroups.build(topology, world)
-    comm = groups.zero  # ZeRO shards and reduces over data x sequence
     policies = to_policies(cfg, groups.data.world_size)
     pipe_module = model if isinstance(model, PipelineModule) else None
     # A pipeline's schedule and checks come first: a refusal must not leave hooks behind.
@@ -357,7 +420,6 @@ def initialize(
         log.info("config: %s", note)
     for warning in ignored_keys(cfg):
         log.warning("config: %s", warning)
-
     precision = policies.precision
     if precision.autocast is not None and pipe_module is not None:
         raise NotImplementedError(
@@ -367,31 +429,66 @@ def initialize(
     if precision.compute is not None:
         check_device_supports(precision.compute, env.device)
     zero = ZeroPolicy.for_stage(policies.training.stage)
+    return _Grid(
+        cfg, env, world, topology, groups, groups.zero, policies, zero, pipe_module, schedule,
+        telemetry,
+    )  # fmt: skip
+
+
+def apply_model(model: nn.Module, grid: _Grid) -> _Prepared:
+    """Check every rank built the same model, apply sparse attention and training
+    efficiency, place the model on its device with the same values on every replica, split
+    it over the tensor axis, route attention over the sequence axis and wrap blocks for
+    activation checkpointing."""
+    cfg, groups, comm = grid.cfg, grid.groups, grid.comm
     # Every rank of a stage must hold the same layers (pipeline stages differ).
-    _check_same_model(comm if pipe_module is not None else world, model, world)
+    _check_same_model(comm if grid.pipe_module is not None else grid.world, model, grid.world)
     if cfg.sparse_attention is not None:
         setup_sparse_attention(model, cfg.sparse_attention, groups)
-    efficiency = setup_training_efficiency(
-        model, cfg, groups, policies.training.batch.train_batch_size
-    )
+    batch = grid.policies.training.batch
+    efficiency = setup_training_efficiency(model, cfg, groups, batch.train_batch_size)
     plan = _tensor_parallel_plan(cfg, model, groups)
+    values = _place(model, grid, keep_whole=not grid.zero.shard_parameters or plan is not None)
+    tensor_whole: list[nn.Parameter] | None = None
+    if plan is not None:
+        # Split before blocks are wrapped for checkpointing: the plan names modules by path.
+        tensor_whole = split_model(model, cfg, groups, *plan, grid.env.device)
+    if groups.sequence.world_size > 1:
+        log.info("Ulysses: attention routed through %s", route_attention(model, groups.sequence))
+        distinct_random_streams(groups, grid.env.device)
+    context, wrapped = _setup_activation_checkpointing(
+        model,
+        grid.policies.activation_checkpointing,
+        grid.env.device,
+        _partition_group(cfg, groups),
+    )
+    # Copies of a tied module on several stages start from the lowest stage's values.
+    ties = tied_groups(grid.world, grid.pipe_module) if grid.pipe_module is not None else []
+    return _Prepared(values, tensor_whole, context, wrapped, ties, efficiency)
+
+
+def _place(model: nn.Module, grid: _Grid, keep_whole: bool) -> DeferredValues | None:
+    """Move the model to its device and give every replica rank 0's values. Returns
+    zero.Init's recipe when stage 3 materializes the parameters unit by unit (None when
+    the model is whole: built eagerly, or ``keep_whole``)."""
+    groups = grid.groups
     # The ranks that start from the same values: every ZeRO replica and every rank of a
     # tensor group (which then keeps its slices, or replicates compute without a plan).
-    replicas = [comm, *([groups.tensor] if groups.tensor.world_size > 1 else [])]
+    replicas = [grid.comm, *([groups.tensor] if groups.tensor.world_size > 1 else [])]
     values = deferred_values(model)
     if values is not None:
         # zero.Init recorded each rank's own random draws: compute rank 0's values on all.
         values.share_random_state(replicas)
-    if values is not None and (not zero.shard_parameters or plan is not None):
+    if values is not None and keep_whole:
         # Built by zero.Init, trained at a stage that keeps it whole, or about to be cut
         # into tensor-parallel slices (which needs the values: each rank keeps its own).
         materialize(model, values)
         values = None
     if values is None:
-        model.to(env.device)
+        model.to(grid.env.device)
     else:
         for tensor in [*model.buffers(), *(p for p in model.parameters() if not p.is_meta)]:
-            tensor.data = tensor.data.to(env.device)
+            tensor.data = tensor.data.to(grid.env.device)
     _check_not_wrapped(model)
     with torch.no_grad():
         # Parameters from zero.Init need no broadcast: every rank replays rank 0's recipe.
@@ -400,32 +497,19 @@ def initialize(
         state = params + list(model.buffers())
         for replica in replicas:
             broadcast_tensors(replica, state, _INIT_BUCKET_NUMEL, src=0)
-    # Parameters whole on every tensor rank (counted once in the global norm).
-    tensor_whole: list[nn.Parameter] | None = None
-    if plan is not None:
-        # Split before blocks are wrapped for checkpointing: the plan names modules by path.
-        tensor_whole = split_model(model, cfg, groups, *plan, env.device)
-    if groups.sequence.world_size > 1:
-        log.info("Ulysses: attention routed through %s", route_attention(model, groups.sequence))
-        distinct_random_streams(groups, env.device)
-    checkpoint_context, wrapped_blocks = _setup_activation_checkpointing(
-        model, policies.activation_checkpointing, env.device, _partition_group(cfg, groups)
-    )
-    # Copies of a tied module on several stages start from the lowest stage's values.
-    ties = tied_groups(world, pipe_module) if pipe_module is not None else []
+    return values
 
-    if model_parameters is not None:
-        model_parameters = list(model_parameters)  # a generator must be read only once
-        if optimizer is not None and not callable(optimizer):
-            log.warning(
-                "model_parameters is ignored: the optimizer passed to initialize "
-                "already defines its parameter groups"
-            )
+
+def apply_zero(
+    model: nn.Module, grid: _Grid, prepared: _Prepared, param_groups: ParamGroups
+) -> tuple[ZeroStrategy, Offload | None, Any]:
+    """Pack the parameters into units and hook gradient reduction (the ZeRO strategy), with
+    the offload manager it needs; returns them and the memory estimate to log (None unless
+    asked), made before the parameters are repacked."""
+    policies, zero, comm = grid.policies, grid.zero, grid.comm
     estimate = None
     if policies.training.log_memory:
-        estimate = predict_memory(model, policies, comm.rank, comm.world_size, env.device)
-    user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    param_groups = resolve_param_groups(model, model_parameters, user_optimizer)
+        estimate = predict_memory(model, policies, comm.rank, comm.world_size, grid.env.device)
     offload = None
     if policies.offload.enabled and zero.shard_optimizer:
         offload = Offload(
@@ -439,7 +523,11 @@ def initialize(
     spec = policies.optimizer
     if spec is not None and is_compressed(spec):
         # (Offload with them is refused with the config: it steps Adam/AdamW only.)
-        pad_multiple = check_compressed(spec, zero.stage, topology, comm.world_size)
+        pad_multiple = check_compressed(spec, zero.stage, grid.topology, comm.world_size)
+    whole = prepared.tensor_whole
+    stage3 = (
+        Stage3Options(model, policies.stage3, prepared.values) if zero.shard_parameters else None
+    )
     try:
         strategy = ZeroStrategy(
             param_groups.trainable,
@@ -448,77 +536,99 @@ def initialize(
             comm,
             zero,
             policies.grad_reduce,
-            Stage3Options(model, policies.stage3, values) if zero.shard_parameters else None,
-            precision,
+            stage3,
+            policies.precision,
             offload,
             # Pipeline stages hold different parameters, tensor ranks different slices.
-            distinct_axes=[groups.pipe, *([groups.tensor] if tensor_whole is not None else [])],
-            isolate=pipe_module.tied_prefixes() if pipe_module is not None else (),
+            distinct_axes=[grid.groups.pipe, *([grid.groups.tensor] if whole is not None else [])],
+            isolate=grid.pipe_module.tied_prefixes() if grid.pipe_module is not None else (),
             pad_multiple=pad_multiple,
         )
-        if tensor_whole is not None and groups.tensor.rank != 0:
+        if whole is not None and grid.groups.tensor.rank != 0:
             # Whole on every tensor rank, with the same gradients: the first rank counts them.
-            strategy.count_once_elsewhere(tensor_whole)
+            strategy.count_once_elsewhere(whole)
     except BaseException:
         if offload is not None:
             offload.close()  # its swap files and allocator setting; no engine will
         raise
-    opt = make_optimizer(optimizer, policies.optimizer, strategy, param_groups, model_parameters)
-    scheduler = make_scheduler(lr_scheduler, policies.scheduler, opt.optimizer)
+    return strategy, offload, estimate
 
-    loader = None
-    if training_data is not None:
-        loader = DistributedDataLoader(
-            training_data,
-            policies.training.batch.micro_batch_size,
-            groups.data.rank,
-            groups.data.world_size,
-            collate_fn=collate_fn,
-            drop_last=policies.training.drop_last,
-            pin_memory=env.device.type == "cuda",
-        )
-    engine_args = [model, env, comm, policies.training, strategy, opt, scheduler, precision]
-    engine_args += [telemetry, estimate]
-    if pipe_module is not None and schedule is not None:
-        check_tied_units(strategy, ties, world)
+
+def apply_engine(
+    model: nn.Module,
+    grid: _Grid,
+    prepared: _Prepared,
+    zero: tuple[ZeroStrategy, Offload | None, Any],
+    opt: EngineOptimizer,
+    scheduler: Any,
+) -> Engine:
+    """The engine over everything built so far: a PipelineEngine for a PipelineModule."""
+    strategy, offload, estimate = zero
+    policies = grid.policies
+    engine_args = [model, grid.env, grid.comm, policies.training, strategy, opt, scheduler]
+    engine_args += [policies.precision, grid.telemetry, estimate]
+    if grid.pipe_module is not None and grid.schedule is not None:
+        check_tied_units(strategy, prepared.ties, grid.world)
         engine: Engine = PipelineEngine(
-            *engine_args, groups=groups, pipeline=policies.pipeline, schedule=schedule, ties=ties
+            *engine_args,
+            groups=grid.groups,
+            pipeline=policies.pipeline,
+            schedule=grid.schedule,
+            ties=prepared.ties,
         )
         log.info(
-            "pipeline: %s schedule; partition:\n%s", schedule.name, pipe_module.describe_partition()
+            "pipeline: %s schedule; partition:\n%s",
+            grid.schedule.name,
+            grid.pipe_module.describe_partition(),
         )
     else:
-        engine = Engine(*engine_args, groups=groups)
+        engine = Engine(*engine_args, groups=grid.groups)
     # Sequence-parallel whole parameters: one coalesced sum per step on the reduced
     # gradients instead of one all-reduce per parameter per backward. Last, so that a
     # failure before it leaves parallelize's hooks in place. Not with gradients in swap
     # files, nor with the 1-bit optimizers (their windows keep each rank's own gradients):
     # their hooks stay.
     streamed = offload is not None and offload.swap_grads
+    spec = policies.optimizer
     if not streamed and not (spec is not None and is_compressed(spec)):
         take_over_sequence_parallel_sums(model, strategy)
-    engine.training_dataloader = loader
-    # DeepSpeed's engine.config: the config as passed (a path is read, so always a dict).
-    engine.config = (
-        dict(source)
-        if isinstance(source, dict)
-        else cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    engine.checkpointed_blocks = prepared.wrapped_blocks
+    engine.efficiency = prepared.efficiency
+    engine.activation_checkpointing = prepared.checkpoint_context
+    return engine
+
+
+def _data_loader(
+    training_data: Dataset[Any] | None,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    grid: _Grid,
+) -> DistributedDataLoader | None:
+    """A loader of this data-parallel rank's samples of ``training_data`` (None without)."""
+    if training_data is None:
+        return None
+    training = grid.policies.training
+    return DistributedDataLoader(
+        training_data,
+        training.batch.micro_batch_size,
+        grid.groups.data.rank,
+        grid.groups.data.world_size,
+        collate_fn=collate_fn,
+        drop_last=training.drop_last,
+        pin_memory=grid.env.device.type == "cuda",
     )
-    engine.checkpointed_blocks = wrapped_blocks
-    if lr_find is not None:
-        engine.lr_find = LRRangeRecorder(lr_find, engine)
-    engine.efficiency = efficiency
-    engine.activation_checkpointing = checkpoint_context
-    batch = policies.training.batch
+
+
+def _log_summary(grid: _Grid, strategy: ZeroStrategy) -> None:
+    precision, batch = grid.policies.precision, grid.policies.training.batch
     log.info(
         "initialized: ZeRO stage %d, %s, %d rank(s) (%s), %d parameters in %d unit(s), "
         "batch %d = %d micro x %d accumulation x %d data-parallel ranks",
-        zero.stage,
+        grid.zero.stage,
         "the model's own dtype"
         if precision.compute is None
         else f"{precision.compute} with fp32 master weights",
-        world.world_size,
-        topology,
+        grid.world.world_size,
+        grid.topology,
         sum(u.numel for u in strategy.units),
         len(strategy.units),
         batch.train_batch_size,
@@ -526,7 +636,6 @@ def initialize(
         batch.gradient_accumulation_steps,
         batch.dp_world_size,
     )
-    return engine, opt.optimizer, loader, scheduler
 
 
 def take_over_sequence_parallel_sums(model: nn.Module, strategy: ZeroStrategy) -> None:

@@ -115,6 +115,14 @@ class PipelineEngine(Engine):
                 "(or eval_batch) instead"
             )
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: a compiled pipeline stage is untested (its executor calls the stage
+        module per micro-batch and chunk)."""
+        raise NotImplementedError(
+            "engine.compile() on a pipeline is not supported yet: the stages' executor is "
+            "untested with compiled layers; train the pipeline eagerly"
+        )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The whole model's forward (a single stage only)."""
         self._refuse_split("forward")
@@ -403,7 +411,7 @@ class PipelineEngine(Engine):
         units = {group.key: self.strategy.units_under(group.prefix) for group in self.ties}
         sum_gradient_slices(self.ties, {k: [grads[u] for u in us] for k, us in units.items()})
         for group in self.ties:
-            self.strategy.share_used(units[group.key], group.comm)
+            self.strategy.used.share(units[group.key], group.comm)
 
 
 def _repeating(loader: Iterable[Any]) -> Iterator[Any]:

@@ -83,6 +83,13 @@ class ForwardPass:
 SHARDED_MARKS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 
 
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run as plain Python even inside a compiled region: a module compiled with
+    ``module.compile()`` calls its hooks from the compiled code, and torch.compile must not
+    trace the gathers and frees (collectives, storage resizes, ``.data`` swaps)."""
+    return torch.compiler.disable(hook)
+
+
 class ParamGatherer:
     """Drives gathering and freeing of stage-3 units from module hooks.
 
@@ -151,13 +158,13 @@ class ParamGatherer:
         for u, module in enumerate(modules):
             if module is root:
                 continue
-            pre = functools.partial(self._pre, u)
+            pre = _eager(functools.partial(self._pre, u))
             self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            post = functools.partial(self._post, u)
+            post = _eager(functools.partial(self._post, u))
             self._hooks.append(module.register_forward_hook(post, always_call=True))
-        root_pre = functools.partial(self._root_pre, root_unit)
+        root_pre = _eager(functools.partial(self._root_pre, root_unit))
         self._hooks.append(root.register_forward_pre_hook(root_pre, with_kwargs=True))
-        root_post = functools.partial(self._root_post, root_unit)
+        root_post = _eager(functools.partial(self._root_post, root_unit))
         self._hooks.append(root.register_forward_hook(root_post, always_call=True))
         self._marked = [m for m in root.modules() if not hasattr(m, SHARDED_MARKS[0])]
         for module in self._marked:

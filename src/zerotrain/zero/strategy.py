@@ -12,20 +12,19 @@ ranks that took different code paths fail with an error naming the unit.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from zerotrain.comm.agreement import disagreements
-from zerotrain.comm.collectives import Communicator, Handle
+from zerotrain.comm.collectives import Communicator
 from zerotrain.config.policies import GradReducePolicy, PrecisionPolicy, Stage3Policy
 from zerotrain.shard.io import CollectiveIO
-from zerotrain.shard.unit import OptimizerPiece, ShardedUnit
+from zerotrain.shard.unit import OptimizerPiece
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import LargeAllocationMapping
@@ -37,15 +36,12 @@ from zerotrain.zero.init import replaying
 from zerotrain.zero.issue import issue
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
+from zerotrain.zero.unused_params import UsedParameters
 
 if TYPE_CHECKING:
     from zerotrain.offload.manager import Offload
 
 log = get_logger(__name__)
-
-
-class DivergedRanksError(RuntimeError):
-    """Ranks gathered different stage-3 units in one step (they took different code paths)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,29 +168,16 @@ class ZeroStrategy:
         self._averaging: Callable[[], bool] | None = None
         self._local = False
         self._is_last_backward: bool | None = None
-        self._used: tuple[torch.Tensor, Handle] | None = None
-        # Whether every trainable parameter got a gradient on this rank in the window.
-        self._used_everything = False
         self._placeholders: dict[int, torch.Tensor] = {}
         # Elements changed outside the optimizer per unit, kept as device tensors until the
         # engine reports (reading them syncs a GPU).
         self._outside_changes: dict[int, torch.Tensor] = {}
         self._told_changed: set[int] = set()
-        self._told_unused_swapped = False
         self.norms = GradNorms(self.units, comm, zero.shard_optimizer, self.distinct_axes)
         # Gradients summed over a group once per step (sequence-parallel LayerNorms and row
         # biases over the tensor group): per group, (unit, start, end) of the owned slices.
         self._group_sums: list[tuple[Communicator, list[tuple[int, int, int]]]] = []
-        self._trainable_ids = torch.tensor(
-            [
-                pid
-                for unit in self.units
-                for pid, trains in zip(unit.param_ids, unit.trainable, strict=True)
-                if trains
-            ],
-            dtype=torch.long,
-            device=comm.device,
-        )
+        self.used = UsedParameters(self.units, comm, num_params, self.gatherer)
 
     def _reserve_offload(
         self, offload: Offload, trainable: Sequence[TrainableParam], stage3: Stage3Options | None
@@ -328,7 +311,7 @@ class ZeroStrategy:
         if self._boundary:
             # Which parameters got a gradient is known now; exchanging it here runs behind
             # the gradient reductions instead of adding a round trip to the step.
-            self._used = self._exchange_used()
+            self.used.exchange()
         self.sync.wait()
         for unit in self.units:
             unit.detach_grads()
@@ -345,9 +328,7 @@ class ZeroStrategy:
         the step (DeepSpeed's several ``backward()`` calls per ``step()``): the units set
         their reduced gradients aside and accumulate anew (``ShardedUnit.reopen_window``);
         which parameters got a gradient is exchanged again at the end of that pass."""
-        if self._used is not None:
-            self._used[1].wait()
-            self._used = None
+        self.used.discard()
         for unit in self.units:
             unit.reopen_window()
 
@@ -472,161 +453,6 @@ class ZeroStrategy:
         if self.offload is not None and self.offload.optimizer is not None:
             self.offload.optimizer.grad_scale = coef
 
-    def _exchange_used(self) -> tuple[torch.Tensor, Handle]:
-        """Start an all-reduce of which parameters got a gradient in this window."""
-        # 1 = used; parameters outside the units (frozen) count as used, so that the common
-        # case (everything used) is recognised with one check. At stage 3 the gather
-        # fingerprint rides along, as (v, -v): one max-reduction yields its max and min.
-        flags = torch.ones(self.num_params, dtype=torch.float64, device=self.comm.device)
-        # The common case, every trainable parameter got a gradient here, needs no index
-        # tensor (built from a Python list, a host-to-device copy on an accelerator).
-        self._used_everything = all(
-            len(unit.received) == unit.trainable_count for unit in self.units
-        )
-        if not self._used_everything:
-            flags[self._trainable_ids] = 0.0
-            ids = [unit.param_ids[i] for unit in self.units for i in unit.received]
-            if ids:
-                flags[torch.tensor(ids, device=flags.device)] = 1.0
-        if self.gatherer is not None:
-            prints = torch.tensor(self.gatherer.fingerprint(), dtype=torch.float64)
-            self.gatherer.reset_fingerprint()
-            flags = torch.cat([flags, prints.to(flags.device), -prints.to(flags.device)])
-        return flags, self.comm.all_reduce(flags, purpose="control", op="max", async_op=True)
-
-    def share_used(self, units: Sequence[int], comm: Communicator) -> None:
-        """After the boundary backward: the parameters of ``units`` count as used if they
-        got a gradient on any rank of ``comm`` (the stages holding copies of a tied module,
-        whose gradients are summed into each copy; ``units`` laid out alike on all)."""
-        invariant(self._used is not None, "share_used() before a boundary backward pass")
-        flags, handle = self._used  # type: ignore[misc]
-        handle.wait()
-        ids = torch.tensor(
-            [pid for u in units for pid in self.units[u].param_ids], device=flags.device
-        )
-        if ids.numel():
-            mine = flags[ids]
-            comm.all_reduce(mine, purpose="control", op="max")
-            flags[ids] = mine
-
-    def _check_same_gathers(self, tail: torch.Tensor) -> None:
-        """Raise on every rank if the ranks gathered different units in this window."""
-        n = tail.numel() // 2
-        high, low = tail[:n].tolist(), [-v for v in tail[n:].tolist()]
-        if high == low:
-            return
-        differing = [
-            f"'{unit.label}' gathered between {int(low[u])} and {int(high[u])} times"
-            for u, unit in enumerate(self.units)
-            if high[u] != low[u]
-        ]
-        what = (
-            "; ".join(differing)
-            if differing
-            else "every unit was gathered equally often, but in a different order"
-        )
-        raise DivergedRanksError(
-            f"rank {self.comm.rank}: the ranks ran different forward/backward passes in this "
-            f"step (stage 3 gathers each unit collectively, so every rank must run the same "
-            f"modules the same number of times): {what} per rank"
-        )
-
-    def _unused(self) -> list[tuple[ShardedUnit, int]]:
-        """Parameters that got no gradient on any rank in this window."""
-        invariant(self._used is not None, "optimizer step without a boundary backward pass")
-        flags, handle = self._used  # type: ignore[misc]
-        self._used = None
-        handle.wait()
-        if self.gatherer is not None:
-            self._check_same_gathers(flags[self.num_params :])
-            flags = flags[: self.num_params]
-        if self._used_everything:
-            # Every parameter got a gradient here, so the maximum over the ranks (and over
-            # share_used's groups) is all ones: nothing to read back (a host sync on an
-            # accelerator).
-            return []
-        if bool(flags.all()):
-            return []
-        used = set(flags.nonzero().view(-1).tolist())
-        return [
-            (unit, i)
-            for unit in self.units
-            for i, pid in enumerate(unit.param_ids)
-            if pid not in used
-        ]
-
-    @contextlib.contextmanager
-    def _untouched(
-        self, unused: list[tuple[ShardedUnit, int]], optimizer: torch.optim.Optimizer
-    ) -> Iterator[None]:
-        """Undo an optimizer step for ``unused`` parameters, as plain PyTorch skips a
-        parameter whose gradient is None: no momentum, no weight decay.
-
-        A piece holding only unused parameters gets its whole state back; where used and
-        unused parameters share a piece, their values and moments are restored but the
-        piece's shared step count still advances (Adam's bias correction for those few
-        parameters then differs slightly from per-parameter counting).
-        """
-        unused_ids = {unit.param_ids[index] for unit, index in unused}
-        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        whole: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        for unit in {id(u): u for u, _ in unused}.values():
-            for piece in unit.pieces:
-                if all(pid in unused_ids for _, _, pid in piece.segments):
-                    # Nothing in the piece was used: its whole state (step counts included,
-                    # so bias corrections match plain PyTorch) is put back.
-                    state = optimizer.state.get(piece.param, {})
-                    whole.append((piece.param, copy.deepcopy(dict(state))))
-                    saved.append((piece.param, piece.param.clone()))
-        whole_ids = {id(p) for p, _ in whole}
-        shared: list[tuple[torch.Tensor, slice, set[str]]] = []
-        for unit, index in unused:
-            for piece, where in unit.owned_slices(index):
-                if id(piece.param) in whole_ids:
-                    continue
-                state = optimizer.state.get(piece.param, {})
-                tensors = [piece.param] + [
-                    t
-                    for t in state.values()
-                    if isinstance(t, torch.Tensor) and t.shape == piece.param.shape
-                ]
-                saved += [(t[where], t[where].clone()) for t in tensors]
-                shared.append((piece.param, where, set(state)))
-        yield
-        for target, value in saved:
-            target.copy_(value)
-        for param, where, existed in shared:
-            # State the step created (momentum, moments on the first step) starts at zero
-            # for a parameter that had no gradient, as if it had not been stepped.
-            for key, value in optimizer.state.get(param, {}).items():
-                new = key not in existed and isinstance(value, torch.Tensor)
-                if new and value.shape == param.shape:
-                    value[where].zero_()
-        for param, state in whole:
-            if state:
-                optimizer.state[param] = state
-            else:
-                optimizer.state.pop(param, None)
-
-    @contextlib.contextmanager
-    def _stepped_anyway(self, unused: list[tuple[ShardedUnit, int]], why: str) -> Iterator[None]:
-        """Optimizers that cannot leave a parameter out of a step (``why``: NVMe offload
-        streams the states through it; the 1-bit optimizers average every momentum) step
-        parameters without a gradient with a zero one (said once)."""
-        if unused and not self._told_unused_swapped:
-            self._told_unused_swapped = True
-            names = ", ".join(unit.buffer.layout.params[i].fqn for unit, i in unused[:5])
-            log.warning(
-                "%d parameter(s) got no gradient in this step (%s%s); %s, so they are stepped "
-                "with a zero gradient (moments decay, weight decay applies), unlike plain "
-                "PyTorch, which skips them (said once)",
-                len(unused),
-                names,
-                ", ..." if len(unused) > 5 else "",
-                why,
-            )
-        yield
-
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer | None, steps_model_params: bool
     ) -> None:
@@ -635,7 +461,7 @@ class ZeroStrategy:
         ``steps_model_params``: the optimizer holds the model's own parameters (a user
         optimizer at stage 0) rather than this strategy's flat pieces.
         """
-        unused = self._unused()
+        unused = self.used.unused()
         if self.gatherer is not None:
             self.gatherer.end_window()  # the step changes the shards units gather from
         self.adopt_outside_changes(only_if_written=True)
@@ -654,7 +480,9 @@ class ZeroStrategy:
                 self._bind_optimizer_grads()
                 why = getattr(optimizer, "steps_unused_because", None)
                 untouched = (
-                    self._stepped_anyway(unused, why) if why else self._untouched(unused, optimizer)
+                    self.used.stepped_anyway(unused, why)
+                    if why
+                    else self.used.untouched(unused, optimizer)
                 )
                 with torch.no_grad(), untouched:
                     optimizer.step()
@@ -707,7 +535,7 @@ class ZeroStrategy:
     def skip_step(self) -> None:
         """Drop this window's gradients without updating anything (an overflow was found);
         the checks that close a window still run."""
-        self._unused()
+        self.used.unused()
         if self.gatherer is not None:
             self.gatherer.end_window()
         for unit in self.units:
