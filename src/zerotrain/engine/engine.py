@@ -663,7 +663,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         next step without this call; writes through ``p.data`` are not, as version counters
         do not see them, and the next step would otherwise overwrite them. zerotrain
         extension (DeepSpeed keeps no such writes)."""
-        self.strategy.adopt_outside_changes()
+        self.strategy.outside_writes.adopt()
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes this rank holds for model states, by category."""

@@ -380,12 +380,12 @@ def initialize(
             )
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     param_groups = resolve_param_groups(model, model_parameters, user_optimizer)
-    zero = apply_zero(model, grid, prepared, param_groups)
-    strategy = zero[0]
+    built = apply_zero(model, grid, prepared, param_groups)
+    strategy = built[0]
     spec = grid.policies.optimizer
     opt = make_optimizer(optimizer, spec, strategy, param_groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, grid.policies.scheduler, opt.optimizer)
-    engine = apply_engine(model, grid, prepared, zero, opt, scheduler)
+    engine = apply_engine(model, grid, prepared, built, opt, scheduler)
     engine.training_dataloader = _data_loader(training_data, collate_fn, grid)
     # DeepSpeed's engine.config: the config as passed (a path is read, so always a dict).
     engine.config = (
@@ -558,12 +558,13 @@ def apply_engine(
     model: nn.Module,
     grid: _Grid,
     prepared: _Prepared,
-    zero: tuple[ZeroStrategy, Offload | None, Any],
+    built: tuple[ZeroStrategy, Offload | None, Any],
     opt: EngineOptimizer,
     scheduler: Any,
 ) -> Engine:
-    """The engine over everything built so far: a PipelineEngine for a PipelineModule."""
-    strategy, offload, estimate = zero
+    """The engine over everything built so far (``built``: what ``apply_zero`` returned):
+    a PipelineEngine for a PipelineModule."""
+    strategy, offload, estimate = built
     policies = grid.policies
     engine_args = [model, grid.env, grid.comm, policies.training, strategy, opt, scheduler]
     engine_args += [policies.precision, grid.telemetry, estimate]

@@ -156,7 +156,7 @@ class Telemetry:
 
     def report(self, engine: Engine) -> None:
         """The periodic log line (every ``steps_per_print`` steps) and what goes with it."""
-        engine.strategy.report_outside_changes()
+        engine.strategy.outside_writes.report()
         # Average the window's loss over ranks: one tiny collective every steps_per_print.
         local = engine.loss_window.mean()
         mean_loss = engine.comm.all_reduce_floats([local])[0] / engine.comm.world_size

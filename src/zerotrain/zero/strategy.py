@@ -34,6 +34,7 @@ from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
 from zerotrain.zero.init import replaying
 from zerotrain.zero.issue import issue
+from zerotrain.zero.outside_writes import OutsideWrites
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
 from zerotrain.zero.unused_params import UsedParameters
@@ -169,10 +170,7 @@ class ZeroStrategy:
         self._local = False
         self._is_last_backward: bool | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
-        # Elements changed outside the optimizer per unit, kept as device tensors until the
-        # engine reports (reading them syncs a GPU).
-        self._outside_changes: dict[int, torch.Tensor] = {}
-        self._told_changed: set[int] = set()
+        self.outside_writes = OutsideWrites(self.units)
         self.norms = GradNorms(self.units, comm, zero.shard_optimizer, self.distinct_axes)
         # Gradients summed over a group once per step (sequence-parallel LayerNorms and row
         # biases over the tensor group): per group, (unit, start, end) of the owned slices.
@@ -464,7 +462,7 @@ class ZeroStrategy:
         unused = self.used.unused()
         if self.gatherer is not None:
             self.gatherer.end_window()  # the step changes the shards units gather from
-        self.adopt_outside_changes(only_if_written=True)
+        self.outside_writes.adopt(only_if_written=True)
         if self.offload is not None:
             self.offload.settle()
         if optimizer is not None:
@@ -498,18 +496,10 @@ class ZeroStrategy:
         for handle in [issue(self.comm, io) for io in ios]:
             handle.wait()
 
-    def adopt_outside_changes(self, only_if_written: bool = False) -> None:
-        """Take parameter values changed outside the optimizer into what each unit steps:
-        before every step the units whose parameters were written in place or given new
-        storage (``only_if_written``, no device work otherwise); on events (a checkpoint
-        about to be written, ``engine.parameters_changed()``) every unit, element by
-        element."""
-        for unit in self.units:
-            changed = unit.adopt_outside_changes(only_if_written)
-            if changed is not None:
-                self._outside_changes[unit.index] = changed + self._outside_changes.get(
-                    unit.index, 0
-                )
+    def adopt_outside_changes(self) -> None:
+        """Every unit takes in what was written outside the optimizer (a checkpoint is
+        about to be written; ``OutsideWrites.adopt``)."""
+        self.outside_writes.adopt()
 
     def resident(self, write_back: bool) -> contextlib.AbstractContextManager[None]:
         """Everything offloaded to files in memory for the duration (checkpoints);
@@ -517,20 +507,6 @@ class ZeroStrategy:
         if self.offload is None:
             return contextlib.nullcontext()
         return self.offload.resident(self.units, write_back)
-
-    def report_outside_changes(self) -> None:
-        """Log (once per unit) units whose parameters were changed outside the optimizer
-        since the last report; the optimizer continued from the new values."""
-        counts, self._outside_changes = self._outside_changes, {}
-        for u, count in counts.items():
-            if u not in self._told_changed and int(count) > 0:
-                self._told_changed.add(u)
-                log.info(
-                    "%d parameter elements of %s were changed outside the optimizer; the "
-                    "optimizer continued from the new values (said once per unit)",
-                    int(count),
-                    self.units[u].label,
-                )
 
     def skip_step(self) -> None:
         """Drop this window's gradients without updating anything (an overflow was found);
