@@ -100,7 +100,7 @@ class UsedParameters:
         """After the boundary backward: the parameters of ``units`` count as used if they
         got a gradient on any rank of ``comm`` (the stages holding copies of a tied module,
         whose gradients are summed into each copy; ``units`` laid out alike on all)."""
-        invariant(self._used is not None, "share_used() before a boundary backward pass")
+        invariant(self._used is not None, "share() before a boundary backward pass")
         flags, handle = self._used  # type: ignore[misc]
         handle.wait()
         ids = torch.tensor(
@@ -144,7 +144,7 @@ class UsedParameters:
             flags = flags[: self.num_params]
         if self._used_everything:
             # Every parameter got a gradient here, so the maximum over the ranks (and over
-            # share_used's groups) is all ones: nothing to read back (a host sync on an
+            # share()'s groups) is all ones: nothing to read back (a host sync on an
             # accelerator).
             return []
         if bool(flags.all()):
