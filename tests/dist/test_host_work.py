@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -40,6 +41,16 @@ class _EngineOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _ops_of_a_steady_step(step: Callable[[], None], warmup: int) -> _EngineOps:
+    """The operations of one ``step`` after ``warmup`` steps (first steps allocate)."""
+    for _ in range(warmup):
+        step()
+    counter = _EngineOps()
+    with counter:
+        step()
+    return counter
+
+
 def _step_ops(stage: int, layers: int, bf16: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
@@ -58,11 +69,7 @@ def _step_ops(stage: int, layers: int, bf16: bool) -> dict[str, Any]:
         engine.backward(loss)
         engine.step()
 
-    for _ in range(3):
-        step()
-    counter = _EngineOps()
-    with counter:
-        step()
+    counter = _ops_of_a_steady_step(step, warmup=3)
     return {
         "machinery": sum(counter.machinery.values()),
         "by_op": dict(counter.machinery),
@@ -148,12 +155,7 @@ def _syncs(stage: int, action: str) -> int:
             engine.backward(engine(x).square().mean())
             engine.step()
 
-    for _ in range(2):
-        step()
-    counter = _EngineOps()
-    with counter:
-        step()
-    return counter.all["aten._local_scalar_dense"]
+    return _ops_of_a_steady_step(step, warmup=2).all["aten._local_scalar_dense"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
