@@ -27,27 +27,14 @@ sys.path.insert(0, str(ROOT))  # tests.helpers: the same model, data and referen
 WINDOW = 10
 
 
-def _zero(stage: int) -> dict[str, Any]:
-    if stage == 3:  # every unit partitioned, as in the test
-        return {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4000}
-    return {"stage": stage, "reduce_bucket_size": 4000}
-
-
 def _spec(steps: int, stage: int | None) -> Any:
-    from tests.helpers.training import RunSpec
-    from zerotrain.examples.gpt import GPTConfig
+    """The test's run: fp32 (``stage`` None, the reference) or bf16 at ``stage``."""
+    from tests.helpers.training import DEMO_RUN, RunSpec, zero_section
 
-    model = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False)
-    run: dict[str, Any] = {
-        "model": model,
-        "micro_batch": 8,
-        "opt_params": {"lr": 1e-3, "weight_decay": 0.01},
-        "steps": steps,
-    }
     if stage is None:
-        return RunSpec(**run)
-    extra = {"bf16": {"enabled": True}, "zero_optimization": _zero(stage)}
-    return RunSpec(stage=stage, extra_config=extra, **run)
+        return RunSpec(steps=steps, **DEMO_RUN)
+    extra = {"bf16": {"enabled": True}, "zero_optimization": zero_section(stage)}
+    return RunSpec(stage=stage, steps=steps, extra_config=extra, **DEMO_RUN)
 
 
 def _train(spec: Any) -> list[float]:

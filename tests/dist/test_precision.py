@@ -14,6 +14,8 @@ from torch import nn
 import zerotrain
 from tests.helpers.pairwise import pairwise
 from tests.helpers.training import (
+    DEMO_GPT,
+    DEMO_RUN,
     RunSpec,
     global_batches,
     make_model,
@@ -21,26 +23,14 @@ from tests.helpers.training import (
     run_training,
     train_reference,
     train_zerotrain,
+    zero_section,
     zerotrain_config,
 )
 from zerotrain.comm.collectives import Communicator
 from zerotrain.config.errors import ConfigError
-from zerotrain.examples.gpt import GPTConfig
 from zerotrain.testing.dist import run_distributed
 
 STAGES = [0, 1, 2, 3]
-# The demo's GPT at a size two CPU cores train 100 steps of in seconds; 2048 tokens per
-# step, so a step's loss is not dominated by a handful of tokens.
-DEMO_GPT = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False)
-DEMO_RUN = {"model": DEMO_GPT, "micro_batch": 8, "opt_params": {"lr": 1e-3, "weight_decay": 0.01}}
-
-
-def _zero(stage: int) -> dict:
-    # Stage 3: every unit partitioned (the tiny GPT's blocks are below the default
-    # persistence threshold).
-    if stage == 3:
-        return {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4000}
-    return {"stage": stage, "reduce_bucket_size": 4000}
 
 
 def _linear_engine(
@@ -61,7 +51,7 @@ def _linear_engine(
         "train_batch_size": dist.get_world_size(),
         "bf16": {"enabled": precision == "bf16"},
         "optimizer": {"type": "SGD", "params": {"lr": lr}},
-        "zero_optimization": {**_zero(stage), **(zero or {})},
+        "zero_optimization": {**zero_section(stage), **(zero or {})},
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     return model, engine
@@ -90,7 +80,7 @@ def test_bf16_follows_the_fp32_loss_curve(stage):
     bf16 = RunSpec(
         stage=stage,
         steps=CURVE_STEPS,
-        extra_config={"bf16": {"enabled": True}, "zero_optimization": _zero(stage)},
+        extra_config={"bf16": {"enabled": True}, "zero_optimization": zero_section(stage)},
         **DEMO_RUN,
     )
     results = run_distributed(_bf16_run, 2, bf16)
@@ -173,7 +163,7 @@ def _overflow(stage: int) -> dict:
     spec = RunSpec(
         stage=stage,
         steps=6,
-        extra_config={"fp16": FP16, "zero_optimization": _zero(stage)},
+        extra_config={"fp16": FP16, "zero_optimization": zero_section(stage)},
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(spec)
@@ -263,7 +253,7 @@ def _memory(stage: int, accum: str) -> dict:
         extra_config={
             "bf16": {"enabled": True},
             "data_types": {"grad_accum_dtype": accum},
-            "zero_optimization": _zero(stage),
+            "zero_optimization": zero_section(stage),
         },
     )
     world = dist.get_world_size()
@@ -317,7 +307,7 @@ def test_bf16_memory_per_rank_follows_the_zero_paper(stage, world_size, accum):
 
 
 def _bf16_comm(comm_dtype: str | None) -> dict:
-    extra = {"bf16": {"enabled": True}, "zero_optimization": _zero(2)}
+    extra = {"bf16": {"enabled": True}, "zero_optimization": zero_section(2)}
     if comm_dtype:
         extra["communication_data_type"] = comm_dtype
     spec = RunSpec(stage=2, steps=5, extra_config=extra)
@@ -444,7 +434,11 @@ def _master_from_init() -> dict:
     torch.manual_seed(3)
     with zerotrain.zero.Init():
         model = GPT(DEMO_GPT)
-    config = {"train_batch_size": 2, "bf16": {"enabled": True}, "zero_optimization": _zero(3)}
+    config = {
+        "train_batch_size": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero_section(3),
+    }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     same, rounded = [], []
     for unit in engine.strategy.units:
@@ -481,7 +475,7 @@ def _sgd_run(precision: dict, stage: int) -> dict:
         clip=0.0,
         optimizer="SGD",
         opt_params={"lr": 0.1},
-        extra_config={**precision, "zero_optimization": _zero(stage)},
+        extra_config={**precision, "zero_optimization": zero_section(stage)},
         **{k: v for k, v in DEMO_RUN.items() if k != "opt_params"},
     )
     model = make_model(spec)
@@ -540,7 +534,7 @@ def _bf16_nan(check: bool, action: str = "skip") -> dict:
         "train_batch_size": dist.get_world_size(),
         "bf16": {"enabled": True, "check_grad_overflow": check},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": _zero(2),
+        "zero_optimization": zero_section(2),
         "non_finite_gradients": {"action": action},
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
@@ -568,7 +562,7 @@ def _frozen_master(stage: int) -> dict:
         stage=stage,
         steps=1,
         grad_accum=1,
-        extra_config={"bf16": {"enabled": True}, "zero_optimization": _zero(stage)},
+        extra_config={"bf16": {"enabled": True}, "zero_optimization": zero_section(stage)},
     )
     model = make_model(spec)
     for block in model.blocks:
@@ -663,7 +657,7 @@ def _clamped_neighbour(stage: int, precision: str) -> list[float]:
         "train_batch_size": dist.get_world_size(),
         "bf16": {"enabled": precision == "bf16"},
         "optimizer": {"type": "SGD", "params": {"lr": 1e-4}},
-        "zero_optimization": _zero(stage),
+        "zero_optimization": zero_section(stage),
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     for _ in range(10):
@@ -728,7 +722,7 @@ def _already_bf16(stage: int) -> dict:
     spec = RunSpec(
         stage=stage,
         steps=8,
-        extra_config={"bf16": {"enabled": True}, "zero_optimization": _zero(stage)},
+        extra_config={"bf16": {"enabled": True}, "zero_optimization": zero_section(stage)},
     )
     model = make_model(spec).bfloat16()  # handed over in bf16 already
     engine, optimizer, *_ = zerotrain.initialize(

@@ -19,6 +19,24 @@ from zerotrain.examples.gpt import GPT, GPTConfig, param_groups
 # constant added to every key), so Adam turns its pure rounding noise into lr-sized steps
 # and the comparison would measure noise amplification instead of zerotrain.
 TINY = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+# The demo's GPT at a size two CPU cores train 100 steps of in seconds; 2048 tokens per
+# step, so a step's loss is not dominated by a handful of tokens (the bf16 curves of
+# tests/dist/test_precision.py and benchmarks/bf16_curves.py).
+DEMO_GPT = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, bias=False)
+DEMO_RUN: dict[str, Any] = {
+    "model": DEMO_GPT,
+    "micro_batch": 8,
+    "opt_params": {"lr": 1e-3, "weight_decay": 0.01},
+}
+
+
+def zero_section(stage: int) -> dict[str, Any]:
+    """``zero_optimization`` for ``stage`` with small buckets; at stage 3 every unit
+    partitioned (the tiny GPTs' blocks are below the default persistence threshold)."""
+    if stage == 3:
+        return {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4000}
+    return {"stage": stage, "reduce_bucket_size": 4000}
+
 
 # Adam amplifies rounding noise in gradients near eps into lr-sized moves, so the summation
 # order alone (even plain PyTorch on the same batch split into chunks) moves parameters of
