@@ -114,6 +114,10 @@ ROWS: tuple[KeyRow, ...] = (
     _impl("gradient_clipping"),
     _impl("prescale_gradients"),
     _impl("gradient_predivide_factor"),
+    _ours(
+        "gradient_accumulation_fusion",
+        "nn.Linear weight gradients added in place on micro-steps that reduce nothing",
+    ),
     _differs("communication_data_type", "unset: fp32 (DeepSpeed: the compute dtype)"),
     _refused("sparse_gradients", "sparse gradient all-reduce"),
     _refused("managed_gradient_accumulation", "refused when false: zerotrain owns the boundary"),

@@ -500,6 +500,9 @@ class ZeroTrainConfig(Section):
     gradient_clipping: NonNegativeFloat = 0.0
     prescale_gradients: Bool = False
     gradient_predivide_factor: PositiveFloat = 1.0
+    # zerotrain's (Megatron's name): nn.Linear weight gradients added into the gradient
+    # buffer in place on micro-steps that reduce nothing (zero/fused_wgrad.py).
+    gradient_accumulation_fusion: Bool = True
     communication_data_type: DTypeName | None = None
     sparse_gradients: Bool = False
     # DeepSpeed 0.19: false hands the accumulation boundary to the caller (every step()

@@ -593,6 +593,8 @@ def apply_engine(
     spec = policies.optimizer
     if not streamed and not (spec is not None and is_compressed(spec)):
         take_over_sequence_parallel_sums(model, strategy)
+    if grid.cfg.gradient_accumulation_fusion:
+        strategy.fuse_weight_grads(model)
     engine.checkpointed_blocks = prepared.wrapped_blocks
     engine.efficiency = prepared.efficiency
     engine.activation_checkpointing = prepared.checkpoint_context

@@ -138,6 +138,11 @@ class FullGradients:
         for param, view in zip(self.buffer.params, self._param_views, strict=True):
             param.grad = view if self.views else None
 
+    def holds(self, index: int, grad: torch.Tensor | None) -> bool:
+        """``grad`` is ``params[index]``'s view of the buffer (autograd adds into it)."""
+        view = self._param_views[index]
+        return self.views and grad is not None and grad.data_ptr() == view.data_ptr()
+
     def attach(self) -> None:
         """Before the engine's own backward: fold gradients left in ``param.grad`` by
         backward passes outside it (and not cleared since) into the buffer, as plain PyTorch

@@ -427,6 +427,11 @@ class ShardedUnit:
         self.grads.accept(index, staging)
         self.received.add(index)
 
+    def grad_is_buffer_view(self, index: int, grad: torch.Tensor | None) -> bool:
+        """``grad`` is ``params[index]``'s view of a full-size gradient buffer (stages 0-1
+        with the parameters' dtype): adding into it in place is accumulating."""
+        return isinstance(self.grads, FullGradients) and self.grads.holds(index, grad)
+
     def gradients_complete(self) -> None:
         """Every trainable parameter got its gradient in this backward pass: fold fresh
         gradients into the unit's buffer together (one foreach operation)."""

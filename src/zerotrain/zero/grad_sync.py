@@ -167,6 +167,16 @@ class GradientSynchronizer:
         is an error if it is (as for any late gradient)."""
         self._absent = {self._where[id(p)] for p in params if id(p) in self._where}
 
+    def takes_in_place(self, param: torch.Tensor) -> bool:
+        """A layer may add ``param``'s gradient into ``param.grad`` itself now: the engine's
+        own backward pass, which reduces nothing, with ``param.grad`` its unit's buffer view
+        (zero/fused_wgrad.py; it then runs the post-accumulate hook as autograd would)."""
+        where = self._where.get(id(param))
+        if where is None or not self._in_backward or self._syncing:
+            return False
+        u, i = where
+        return self.units[u].grad_is_buffer_view(i, param.grad)
+
     def _before_grad(self, _grad: torch.Tensor) -> None:
         if not self._in_backward and self.on_outside_grad is not None:
             self.on_outside_grad()

@@ -28,6 +28,7 @@ from zerotrain.shard.unit import OptimizerPiece
 from zerotrain.utils.invariant import invariant
 from zerotrain.utils.logging import get_logger
 from zerotrain.utils.memory import LargeAllocationMapping
+from zerotrain.zero.fused_wgrad import WeightGradFusion
 from zerotrain.zero.gather import ParamGatherer
 from zerotrain.zero.grad_norms import GradNorms
 from zerotrain.zero.grad_sync import GradientSynchronizer
@@ -162,6 +163,7 @@ class ZeroStrategy:
         )
         if self.gatherer is not None:
             self.gatherer.on_backward_done = self.sync.mark_done
+        self._fusion: WeightGradFusion | None = None
         self._boundary = False
         self._requires_sync = True
         # Whether gradients are averaged across ranks, decided per window by the optimizer
@@ -617,6 +619,13 @@ class ZeroStrategy:
         """ids (``id()``) of the parameters inside units."""
         return {id(p) for unit in self.units for p in unit.buffer.params}
 
+    def fuse_weight_grads(self, model: nn.Module) -> None:
+        """``gradient_accumulation_fusion``: the model's ``nn.Linear`` layers add their
+        weight gradients into the gradient buffer in place on micro-steps that reduce
+        nothing (stages 0-1; stage 3 gathers and frees weights, so it has no such buffer)."""
+        if self.gatherer is None and self._fusion is None:
+            self._fusion = WeightGradFusion(model, self.sync.takes_in_place)
+
     def remove(self, restore_params: bool = True) -> None:
         """Detach hooks and give parameters their own storage back, with the fp32 master
         values under mixed precision (collective at stage 3, where every unit is gathered
@@ -627,6 +636,9 @@ class ZeroStrategy:
         not fit in memory.
         """
         self.sync.remove()
+        if self._fusion is not None:
+            self._fusion.remove()
+            self._fusion = None
         if self.gatherer is not None:
             self.gatherer.remove()
         else:
