@@ -120,3 +120,22 @@ def test_tied_small_and_subclassed_layers_are_left_alone() -> None:
     fusion.remove()
     assert "forward" not in vars(model[3])
     assert fusion.layers == []
+
+
+def test_a_pickled_or_copied_model_gets_plain_layers() -> None:
+    import copy
+    import io
+    import pickle
+
+    model = _model()
+    fusion = WeightGradFusion(model, _always, smallest=1)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 6)
+    for other in (loaded, twin, pickle.loads(pickle.dumps(model))):
+        torch.testing.assert_close(other(x), model(x))
+        other(x).sum().backward()  # autograd's path: no engine behind the copy
+    assert fusion.layers

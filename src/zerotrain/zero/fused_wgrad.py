@@ -72,25 +72,39 @@ class _LinearAccumulatingWeightGrad(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def _forward(fusion: weakref.ref[WeightGradFusion], layer: nn.Linear, x: torch.Tensor) -> Any:
-    owner = fusion()
-    weight = layer.weight
-    if (
-        owner is None
-        or not torch.is_grad_enabled()
-        or not weight.requires_grad
-        or torch.is_autocast_enabled(x.device.type)  # autocast casts inside F.linear
-        or torch.compiler.is_compiling()
-    ):
-        return F.linear(x, weight, layer.bias)
-    return _LinearAccumulatingWeightGrad.apply(x, weight, layer.bias, owner.takes)
+class _Forward:
+    """A fused layer's ``forward`` (an instance attribute shadowing ``nn.Linear.forward``).
+    It reaches the fusion weakly: the engine owns it, not the model. A pickled or copied
+    layer gets the plain ``nn.Linear.forward`` instead (no engine manages the copy)."""
+
+    __slots__ = ("fusion", "layer")
+
+    def __init__(self, fusion: weakref.ref[WeightGradFusion], layer: nn.Linear) -> None:
+        self.fusion = fusion
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        layer = self.layer
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return F.linear(x, layer.weight, layer.bias)
+        owner = self.fusion()
+        if (
+            owner is None
+            or not layer.weight.requires_grad
+            or torch.is_autocast_enabled(x.device.type)  # autocast casts inside F.linear
+        ):
+            return F.linear(x, layer.weight, layer.bias)
+        return _LinearAccumulatingWeightGrad.apply(x, layer.weight, layer.bias, owner.takes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (functools.partial, (nn.Linear.forward, self.layer))
 
 
 class WeightGradFusion:
     """Installs the accumulating linear on every plain ``nn.Linear`` of ``model`` whose
-    weight is trainable, large enough to gain, and not shared with another module (a tied
-    weight gets further contributions through autograd, whose single accumulation must
-    come last).
+    weight is trainable, large enough to gain, and not shared with another module (a
+    shared weight keeps autograd's path: its contributions meet in autograd's one
+    accumulation, as without the fusion).
 
     Args:
         model: the engine's module.
@@ -119,9 +133,9 @@ class WeightGradFusion:
         ]
         me = weakref.ref(self)
         for layer in self.layers:
-            # An instance attribute shadows nn.Linear.forward; remove() deletes it. (The
-            # layer holds a partial that holds the layer: a cycle the collector frees.)
-            layer.forward = functools.partial(_forward, me, layer)  # type: ignore[method-assign]
+            # The layer holds its _Forward, which holds the layer: a cycle the collector
+            # frees with the model.
+            layer.forward = _Forward(me, layer)  # type: ignore[method-assign,assignment]
 
     def takes(self, weight: torch.Tensor) -> bool:
         return _pre_hook_count(weight) <= self._own_pre_hooks and self._takes(weight)
@@ -129,5 +143,6 @@ class WeightGradFusion:
     def remove(self) -> None:
         """Give every layer back its own ``forward``."""
         for layer in self.layers:
-            vars(layer).pop("forward", None)
+            if isinstance(vars(layer).get("forward"), _Forward):
+                del layer.forward
         self.layers = []
