@@ -41,7 +41,7 @@ import torch
 
 from zerotrain.comm import liveness
 from zerotrain.comm.handle import CollectiveError
-from zerotrain.comm.shm_p2p import PairChannel, PeerStalledError, ShmPairs
+from zerotrain.comm.shm_p2p import PairChannel, PeerStalledError, ShmPairs, pause
 
 #: Slots per direction of a mailbox channel (as the exchange channel's: 8 MiB a pair at the
 #: default 1 MiB slots, which matters under a small /dev/shm such as Docker's 64 MB).
@@ -180,9 +180,9 @@ class Mailbox:
                 if message.finished:
                     return
                 spins += 1
-                if spins > _SPINS:
-                    time.sleep(0)  # yield the core to whatever else runs here
                 now = time.monotonic()
+                if spins > _SPINS:
+                    pause(now - last_moved)
                 if now >= next_check:
                     next_check = now + _CHECK_S
                     self._check_peer(message, now - last_moved, now)

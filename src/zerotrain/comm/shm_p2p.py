@@ -62,6 +62,18 @@ MIN_BYTES = 0
 SLOT_BYTES = 1 << 20
 SLOTS = 4
 
+# A wait spins first (a message from a running peer is microseconds away), then yields its
+# core, and once nothing has moved for _YIELD_S it sleeps _NAP_S between looks: a peer that
+# is computing leaves its core to the ranks that compute (with more ranks than cores,
+# yielding waiters still took turns on the cores and delayed them).
+_YIELD_S = 1e-3
+_NAP_S = 1e-4
+
+
+def pause(quiet_s: float) -> None:
+    """Between two looks of a wait in which nothing moved for ``quiet_s`` seconds."""
+    time.sleep(_NAP_S if quiet_s > _YIELD_S else 0)
+
 
 @dataclass(frozen=True, slots=True)
 class PairSettings:
@@ -493,9 +505,9 @@ class ShmPairs:
                 spins = 0
                 continue
             spins += 1
-            if spins > 64:
-                time.sleep(0)  # yield the core to whatever else runs here
             now = time.monotonic()
+            if spins > 64:
+                pause(now - max(p.last_moved for p in pending))
             if now >= next_check:
                 next_check = now + _PEER_CHECK_S
                 self._check_peers(pending, now)
