@@ -26,11 +26,39 @@ def only_problem(config: dict | str) -> str:
 # -- unknown keys ---------------------------------------------------------------------------
 
 
-def test_unknown_top_level_key_suggests_closest():
-    message = only_problem({"train_batch_size": 8, "zero_optimisation": {"stage": 0}})
+STRICT = {"zerotrain": {"strict_config": True}}
+
+
+def _warnings_of(config: dict, caplog: pytest.LogCaptureFixture) -> str:
+    caplog.set_level(logging.WARNING)
+    logger = logging.getLogger("zerotrain")
+    logger.addHandler(caplog.handler)
+    try:
+        load_config(config)
+    finally:
+        logger.removeHandler(caplog.handler)
+    return caplog.text
+
+
+def test_unknown_top_level_key_is_a_warning_naming_the_nearest_known_key(caplog):
+    # DeepSpeed drops unknown top-level keys without a word; zerotrain drops them with one.
+    text = _warnings_of({"train_batch_size": 8, "zero_optimisation": {"stage": 0}}, caplog)
+    assert (
+        "ignoring unknown top-level key 'zero_optimisation'; "
+        "the nearest known key is 'zero_optimization'"
+    ) in text
+    text = _warnings_of({"train_batch_size": 8, "qwertyuiop": 1}, caplog)
+    assert "ignoring unknown top-level key 'qwertyuiop'; the nearest known key is '" in text
+
+
+def test_strict_config_refuses_unknown_top_level_keys():
+    message = only_problem({"train_batch_size": 8, "zero_optimisation": {"stage": 0}, **STRICT})
     assert message.startswith("zero_optimisation:")
     assert "unknown key 'zero_optimisation'" in message
     assert "did you mean 'zero_optimization'?" in message
+    with pytest.raises(ConfigError):  # the argument, or its environment variable, too
+        load_config({"train_batch_size": 8, "zero_optimisation": {}}, unknown_keys="error")
+    assert "strict_config: got 'yes'" in only_problem({"zerotrain": {"strict_config": "yes"}})
 
 
 def test_unknown_nested_key_names_full_path():
@@ -55,7 +83,7 @@ def test_unknown_key_in_optimizer_params_depends_on_type():
 
 
 def test_wrong_case_key_is_suggested():
-    assert "did you mean 'train_batch_size'?" in only_problem({"Train_Batch_Size": 8})
+    assert "did you mean 'train_batch_size'?" in only_problem({"Train_Batch_Size": 8, **STRICT})
 
 
 def test_unknown_keys_can_be_downgraded_to_warnings(caplog):
@@ -135,7 +163,13 @@ def test_scheduler_type_is_case_insensitive_and_params_checked():
 
 def test_every_problem_is_reported_at_once():
     found = problems(
-        {"zero_optimisation": {}, "train_batch_size": -1, "fp16": {"enabled": 3}, "wandb": 5}
+        {
+            "zero_optimisation": {},
+            "train_batch_size": -1,
+            "fp16": {"enabled": 3},
+            "wandb": 5,
+            **STRICT,
+        }
     )
     paths = sorted(p.split(":")[0] for p in found)
     assert paths == ["fp16.enabled", "train_batch_size", "wandb", "zero_optimisation"]
@@ -405,7 +439,7 @@ def test_initialize_refuses_unbuilt_features_before_touching_the_model():
 
 
 def test_misspelt_key_set_to_auto_is_still_unknown():
-    message = only_problem({"gradient_acumulation_steps": "auto"})
+    message = only_problem({"gradient_acumulation_steps": "auto", **STRICT})
     assert "did you mean 'gradient_accumulation_steps'?" in message
     message = only_problem({"optimizer": {"type": "AdamW", "params": {"weight_decya": "auto"}}})
     assert message.startswith("optimizer.params.weight_decya:")

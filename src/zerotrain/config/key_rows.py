@@ -114,6 +114,8 @@ ROWS: tuple[KeyRow, ...] = (
     _impl("gradient_clipping"),
     _impl("prescale_gradients"),
     _impl("gradient_predivide_factor"),
+    _ours("zerotrain", "zerotrain's own options about the config"),
+    _ours("zerotrain.strict_config", "unknown top-level keys are errors, not warnings"),
     _ours(
         "gradient_accumulation_fusion",
         "nn.Linear weight gradients added in place on micro-steps that reduce nothing",

@@ -9,6 +9,7 @@ raised once, in a single :class:`ConfigError`.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import types
 import typing
@@ -65,6 +66,24 @@ def _split_unknown(
         if sub is not None and isinstance(raw[key], dict):
             problems += _split_unknown(raw[key], sub, (*path, key))
     return problems
+
+
+def _strict(raw: dict[str, Any]) -> bool:
+    """The config's own ``zerotrain.strict_config`` (its type is checked with the rest)."""
+    options = raw.get("zerotrain")
+    return isinstance(options, dict) and options.get("strict_config") is True
+
+
+def _ignored_top_level_key(key: str) -> str:
+    """The warning for an unknown top-level key, naming the nearest known one."""
+    known = list(ZeroTrainConfig.model_fields)
+    nearest = closest(key, known) or difflib.get_close_matches(key, known, n=1, cutoff=0.0)
+    name = nearest if isinstance(nearest, str) else (nearest[0] if nearest else None)
+    hint = f"; the nearest known key is '{name}'" if name else ""
+    return (
+        f"ignoring unknown top-level key '{key}'{hint} (DeepSpeed ignores such keys too; "
+        "zerotrain.strict_config: true makes them errors)"
+    )
 
 
 def _fold_max_grad_norm(raw: dict[str, Any]) -> list[ConfigProblem]:
@@ -182,9 +201,12 @@ def load_config(
         config: a dict, a path to a JSON file, an already-loaded config, or None to read the
             path from ``--config`` in ``argv``.
         argv: command-line arguments searched when ``config`` is None (default ``sys.argv``).
-        unknown_keys: ``"error"`` (default) rejects keys the schema does not know; ``"warn"``
-            logs and drops them, for migrating configs that carry keys DeepSpeed ignored.
-            The environment variable ``ZEROTRAIN_UNKNOWN_KEYS`` sets the default.
+        unknown_keys: what to do with keys the schema does not know. By default, as
+            DeepSpeed: an unknown top-level key is logged (with the nearest known key) and
+            dropped, an unknown key inside a section is an error. ``"error"`` (or the
+            config's ``zerotrain.strict_config: true``) refuses top-level ones too;
+            ``"warn"`` logs and drops every unknown key, for migrating configs. The
+            environment variable ``ZEROTRAIN_UNKNOWN_KEYS`` sets the default.
 
     Returns:
         The validated config. Batch sizes are still as written: they are resolved against the
@@ -195,16 +217,23 @@ def load_config(
     """
     if isinstance(config, ZeroTrainConfig):
         return config
-    mode = unknown_keys or os.environ.get("ZEROTRAIN_UNKNOWN_KEYS", "error")
-    if mode not in ("error", "warn"):
+    mode = unknown_keys or os.environ.get("ZEROTRAIN_UNKNOWN_KEYS") or None
+    if mode not in (None, "error", "warn"):
         raise ValueError(f"unknown_keys must be 'error' or 'warn', got {mode!r}")
     raw, source = read_config_source(config, argv)
     raw = copy.deepcopy(raw)
+    if _strict(raw):
+        mode = "error"
 
     problems, legacy_notes = apply_legacy_spellings(raw)
     problems += _fold_max_grad_norm(raw)
     # Unknown keys first: a misspelt key set to "auto" must not be resolved away silently.
+    top_level = {key for key in raw if key not in ZeroTrainConfig.model_fields}
     unknown = _split_unknown(raw, ZeroTrainConfig, ())
+    if mode is None:  # DeepSpeed's way: it drops unknown top-level keys without a word
+        for key in sorted(top_level):
+            log.warning("%s: %s", source or "config", _ignored_top_level_key(key))
+        unknown = [p for p in unknown if p.path not in top_level]
     models: dict[Literal["optimizer", "scheduler"], type[BaseModel]] = {}
     kinds: tuple[Literal["optimizer", "scheduler"], ...] = ("optimizer", "scheduler")
     for kind in kinds:

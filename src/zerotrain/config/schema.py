@@ -488,6 +488,13 @@ class TorchAutocastConfig(Section):
     lower_precision_safe_modules: list[str] | None = None
 
 
+class ZeroTrainOptionsConfig(Section):
+    """``zerotrain``: zerotrain's own options about the config itself."""
+
+    # Unknown top-level keys are errors instead of warnings (DeepSpeed ignores them).
+    strict_config: Bool = False
+
+
 class ZeroTrainConfig(Section):
     """The whole config. Batch sizes are resolved against the world size by ``batch.py``."""
 
@@ -544,6 +551,8 @@ class ZeroTrainConfig(Section):
 
     # Ulysses sequence-parallel degree (DeepSpeed's key); the grid's sequence axis.
     sequence_parallel_size: PositiveInt = 1
+
+    zerotrain: ZeroTrainOptionsConfig = Field(default_factory=ZeroTrainOptionsConfig)
 
     pipeline: PipelineConfig | None = None
     tensor_parallel: TensorParallelConfig | None = None
