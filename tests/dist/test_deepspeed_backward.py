@@ -180,12 +180,17 @@ def _queries() -> dict:
         "config_is_what_was_passed": engine.config == config,
         "overflow_before": optimizer.overflow,
         "group_lr_before_step": [],
+        "last_step_lr_after_step": [],
+        "group_lr_after_step": [],
         "get_lr_after_step": [],
+        "get_mom": engine.get_mom(),
     }
     for _ in range(4):
         seen["group_lr_before_step"].append(optimizer.param_groups[0]["lr"])
         engine.backward(engine(x, y))
         engine.step()
+        seen["last_step_lr_after_step"].append(engine.get_lr_of_last_step()[0])
+        seen["group_lr_after_step"].append(optimizer.param_groups[0]["lr"])
         seen["get_lr_after_step"].append(engine.get_lr()[0])
     seen["overflow_after_finite"] = optimizer.overflow
     engine.backward(engine(x, y) * float("inf"))  # inf/NaN gradients: the step is skipped
@@ -205,7 +210,11 @@ def test_engine_queries_of_deepspeed_scripts():
     assert seen["overflow_after_finite"] is False
     assert seen["overflow_after_inf"] is True
     assert seen["applied"] is False
-    # get_lr after a step is the rate that step used (the group held it before the step;
-    # the scheduler has moved the group on since), while the warm-up changes it.
-    assert seen["get_lr_after_step"] == seen["group_lr_before_step"]
+    # get_lr_of_last_step after a step is the rate that step used (the group held it
+    # before the step), while the warm-up changes it; get_lr is DeepSpeed's: the group's
+    # rate now, which the scheduler has already moved on.
+    assert seen["last_step_lr_after_step"] == seen["group_lr_before_step"]
+    assert seen["get_lr_after_step"] == seen["group_lr_after_step"]
+    assert seen["get_lr_after_step"] != seen["group_lr_before_step"]
     assert len(set(seen["group_lr_before_step"])) > 2
+    assert [tuple(b) for b in seen["get_mom"]] == [(0.9, 0.999)]  # Adam: its betas

@@ -59,9 +59,10 @@ def test_user_optimizer_matches_reference_at_every_stage(stage, kind):
     if kind == "object":
         assert_matches(got, train_reference(spec, 2))
     else:
-        # StepLR (halved every 2 steps): step 6 ran at 1e-3 * 0.5**2 (get_lr reports the
-        # rate the last step used; the group already holds 0.5**3).
+        # StepLR (halved every 2 steps): step 6 ran at 1e-3 * 0.5**2; the group already
+        # holds step 7's 0.5**3, which get_lr reports (DeepSpeed's meaning).
         assert got["lr"] == [pytest.approx(1e-3 * 0.5**2)]
+        assert got["current_lr"] == [pytest.approx(1e-3 * 0.5**3)]
 
 
 def _scheduler_object_with_rebuilt_optimizer() -> str:
@@ -119,21 +120,25 @@ def _config_schedule() -> list[float]:
     }
     engine, *_ = zerotrain.initialize(model=model, config=config)
     lrs = [engine.get_lr()[0]]
+    used = [engine.get_lr_of_last_step()[0]]
     batches = global_batches(spec, 2)
     for step in range(spec.steps):
         x, y = micro_batch(batches, spec, step, 0, dist.get_rank(), 2)
         engine.backward(engine(x, y))
         engine.step()
         lrs.append(engine.get_lr()[0])
-    return lrs
+        used.append(engine.get_lr_of_last_step()[0])
+    return lrs, used
 
 
 def test_config_schedule_drives_the_optimizer_lr():
-    lrs = run_distributed(_config_schedule, 2)[0]
-    # DeepSpeed's schedule: lr for iteration k - 1 at optimizer step k; max lr =
-    # optimizer's. get_lr reports the rate the last step used (before any step: the first
-    # step's), so the list is that of steps 1..5 after the rate before step 1.
-    assert lrs == pytest.approx([0.0, 0.0, 0.0, 0.0025, 0.005, 0.0075])
+    lrs, used = run_distributed(_config_schedule, 2)[0]
+    # DeepSpeed's schedule; max lr = optimizer's. get_lr_of_last_step reports the rate the
+    # last step used (before any step: the first step's), so that list is the rates of
+    # steps 1..5 after the rate before step 1; get_lr (DeepSpeed's) is the group's rate now,
+    # after step k already step k + 1's.
+    assert used == pytest.approx([0.0, 0.0, 0.0, 0.0025, 0.005, 0.0075])
+    assert lrs == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01])
 
 
 def _generator_and_extra_group_keys() -> int:

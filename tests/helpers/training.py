@@ -126,11 +126,17 @@ def train_steps(engine: zerotrain.Engine, spec: RunSpec, first: int, last: int) 
 
 def run_training(engine: zerotrain.Engine, spec: RunSpec, model: torch.nn.Module) -> dict:
     """Runs on every rank: train ``spec.steps`` steps on this rank's share of the global
-    batches; returns per-step global losses, the final parameters and the learning rates."""
+    batches; returns per-step global losses, the final parameters and the learning rates
+    (``lr``: the last step's; ``current_lr``: the groups' now, DeepSpeed's ``get_lr``)."""
     losses = train_steps(engine, spec, 0, spec.steps)
     with zerotrain.zero.GatheredParameters(model.parameters()):  # whole at stage 3
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "lr": engine.get_lr()}
+    return {
+        "losses": losses,
+        "params": params,
+        "lr": engine.get_lr_of_last_step(),
+        "current_lr": engine.get_lr(),
+    }
 
 
 def train_zerotrain(spec: RunSpec) -> dict[str, Any]:

@@ -164,7 +164,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self.training_dataloader: DistributedDataLoader | None = None
         # The config as passed to initialize (DeepSpeed's engine.config), set by initialize.
         self.config: dict[str, Any] = {}
-        # The learning rate of each group that the last optimizer step used (get_lr).
+        # The learning rate of each group that the last optimizer step used.
         self._step_lrs: list[float] | None = None
         if self.optimizer is not None:
             # DeepSpeed's optimizers carry it; training loops read it to count skipped steps.
@@ -560,13 +560,27 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         return self.env.device
 
     def get_lr(self) -> list[float]:
-        """Learning rate of each optimizer param group that the last optimizer step used
-        (before any step: the one the first will use). DeepSpeed returns the groups' current
-        rate, which after a step is already the scheduler's next one; a loop that logs the
-        loss and the rate after ``step()`` gets a matching pair here."""
+        """Learning rate of each optimizer param group now, as DeepSpeed's ``get_lr``: after
+        ``step()`` it is already the rate the scheduler set for the next step. To log a
+        step's loss with the rate that step used, use :meth:`get_lr_of_last_step`."""
+        return self._current_lrs()
+
+    def get_lr_of_last_step(self) -> list[float]:
+        """Learning rate of each param group that the last optimizer step used (before any
+        step: the one the first will use). zerotrain's; DeepSpeed has no such method."""
         if self._step_lrs is not None:
             return list(self._step_lrs)
         return self._current_lrs()
+
+    def get_mom(self) -> list[Any]:
+        """Momentum of each param group, as DeepSpeed's ``get_mom``: the group's ``betas``
+        (Adam, AdamW, LAMB, Lion, ...), else its ``momentum`` (SGD, RMSprop), else 0.0."""
+        if self.optimizer is None:
+            return []
+        return [
+            group.get("betas", group.get("momentum", 0.0))
+            for group in self.optimizer.param_groups
+        ]
 
     def _current_lrs(self) -> list[float]:
         if self.optimizer is None:

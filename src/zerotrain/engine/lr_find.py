@@ -223,8 +223,9 @@ class LRRangeRecorder:
             engine: the engine that stepped (``global_steps`` already counts this step).
             losses: this rank's micro-batch losses of the step (scalar tensors).
         """
-        # get_lr(): the rate this step ran at (the schedule has already moved the group on).
-        record = LRRecord(engine.global_steps, engine.get_lr()[0], _mean_over_ranks(engine, losses))
+        # The rate this step ran at (the schedule has already moved the group on).
+        rate = engine.get_lr_of_last_step()[0]
+        record = LRRecord(engine.global_steps, rate, _mean_over_ranks(engine, losses))
         self._append(record.to_json())
         reason = self._stop_reason(record)
         if reason is not None:

@@ -139,7 +139,7 @@ class Telemetry:
                 (tags.GRAD_NORM, engine.get_global_grad_norm() or 0.0, samples),
                 (tags.SAMPLES_PER_SEC, engine.train_batch_size() / step_seconds, samples),
             ]
-            lrs = engine.get_lr()
+            lrs = engine.get_lr_of_last_step()
             if lrs:
                 events.append((tags.LEARNING_RATE, lrs[0], samples))
             if engine.loss_scaler is not None:
@@ -162,7 +162,7 @@ class Telemetry:
         mean_loss = engine.comm.all_reduce_floats([local])[0] / engine.comm.world_size
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
         samples = self._steps_in_window * engine.train_batch_size()
-        lrs = ", ".join(f"{lr:.3e}" for lr in engine.get_lr())
+        lrs = ", ".join(f"{lr:.3e}" for lr in engine.get_lr_of_last_step())
         message = (
             f"step {engine.global_steps}: loss {mean_loss:.4f}, lr [{lrs}], "
             f"grad norm {engine.get_global_grad_norm() or 0.0:.4f}, "
