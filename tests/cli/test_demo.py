@@ -36,6 +36,7 @@ def test_demo_trains_and_writes_plot_and_summary(tmp_path: Path):
         "global_step10",
         "global_step20",
         "latest",
+        "latest.sha256",
     ]
 
     # Resuming with activation checkpointing on: the same model and checkpoint either way.

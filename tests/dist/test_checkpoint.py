@@ -124,6 +124,9 @@ def test_resume_continues_bitwise(tmp_path: Path, stage: int, precision: str | N
     assert resumed[0]["client"] == {"note": "ten steps", "step": 10}
     assert resumed[0]["path"] == str(tmp_path / "global_step10")
     assert read_latest(tmp_path).tag == "global_step10"
+    # DeepSpeed's readers (its zero_to_fp32.py, its engine, scripts copied from them):
+    tag = open(tmp_path / "latest").read().strip()  # noqa: SIM115 (their code, verbatim)
+    assert (tmp_path / tag / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -290,7 +293,8 @@ def _load_expecting_error(spec: RunSpec, path: str, model_cfg, strict: bool) -> 
 def test_bad_checkpoints_are_reported_with_the_file(tmp_path: Path) -> None:
     spec = RunSpec(stage=2, micro_batch=2, grad_accum=1)
     run_distributed(_save_three, 2, spec, str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c", "latest"]  # keep_last=2
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["b", "c", "latest", "latest.sha256"]  # keep_last=2
 
     # A different model: shapes named.
     wider = dataclasses.replace(TINY, n_embd=48)

@@ -34,7 +34,10 @@ def _inject(point: str) -> None:
     def crashing_replace(src: Any, dst: Any) -> None:
         if point == "between_renames" and str(src).endswith(".partial"):
             raise _CrashError(point)  # final -> .old happened, .partial -> final did not
-        if point == "before_latest" and Path(dst).name == "latest":
+        # latest.sha256 is written first (it commits the save), then latest.
+        if point == "before_latest" and Path(dst).name == "latest.sha256":
+            raise _CrashError(point)
+        if point == "between_pointers" and Path(dst).name == "latest":
             raise _CrashError(point)
         replace(src, dst)
 
@@ -64,7 +67,7 @@ def _crash_while_saving_again(root: str, point: str) -> dict[str, Any]:
     finally:
         save_module.os.replace, save_module.shutil.rmtree = replace, rmtree  # type: ignore[assignment]
     # A new process: what does the directory hold?
-    expected = second if point == "before_removing_old" else first
+    expected = second if point in ("between_pointers", "before_removing_old") else first
     files = sorted(p.name for p in Path(root).iterdir())
     state = CheckpointReader.open(root)
     read_back = {n: state.tensor(n) for n in expected}
@@ -84,14 +87,16 @@ def _crash_while_saving_again(root: str, point: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("point", ["between_renames", "before_latest", "before_removing_old"])
+@pytest.mark.parametrize(
+    "point", ["between_renames", "before_latest", "between_pointers", "before_removing_old"]
+)
 def test_a_crash_while_saving_a_tag_again_keeps_a_complete_copy(tmp_path: Path, point: str) -> None:
     got = run_distributed(_crash_while_saving_again, 1, str(tmp_path), point)[0]
     assert ".t.old" in got["files"]  # the crash left the previous copy aside
     assert got["read_back"]
     assert got["loaded"]
     assert got["t_again"]
-    assert got["after"] == ["latest", "t", "u"]  # restored or finished, nothing lost
+    assert got["after"] == ["latest", "latest.sha256", "t", "u"]  # nothing lost
 
 
 def _save_with_client_state(root: str) -> None:
@@ -111,7 +116,9 @@ def _positions(file: Path) -> list[int]:
             assert match, pattern
             positions.add(match.start(1) + len(match.group(1)) // 2)
         positions.add(text.index('"checksum": "sha256:') + 25)
-    if file.name == "latest":
+    if file.name == "latest":  # the tag alone
+        positions.add(1)
+    if file.name == "latest.sha256":
         positions |= {1, data.index(b"sha256:") + 10}
     return sorted(positions)
 
@@ -137,7 +144,7 @@ def test_every_flipped_byte_of_every_file_is_refused_naming_the_file(tmp_path: P
     saved = tmp_path / "saved"
     run_distributed(_save_with_client_state, 2, str(saved))
     tag = read_latest(saved).tag
-    files = [*sorted((saved / tag).iterdir()), saved / "latest"]
+    files = [*sorted((saved / tag).iterdir()), saved / "latest", saved / "latest.sha256"]
     names = {f.name for f in files}
     assert {"manifest.json", "client_state.pt", "rank00000.safetensors", "latest"} <= names
     checked = 0

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
-from zerotrain.checkpoint.directory import check_tag
+from zerotrain.checkpoint.directory import Latest, check_tag, read_latest, write_latest
 from zerotrain.checkpoint.errors import CorruptCheckpointError
 from zerotrain.checkpoint.safetensors_io import (
     SafetensorsReader,
@@ -86,6 +88,60 @@ def test_truncated_header_is_reported(tmp_path: Path) -> None:
 def test_bad_tags_are_refused(tag: str) -> None:
     with pytest.raises(ValueError, match="not allowed"):
         check_tag(tag)
+
+
+SHA = "sha256:" + "ab" * 32
+
+
+def test_latest_holds_the_tag_alone_and_its_sibling_the_checksum(tmp_path: Path) -> None:
+    write_latest(tmp_path, "global_step7", SHA)
+    assert (tmp_path / "latest").read_text() == "global_step7"  # as DeepSpeed writes it
+    assert (tmp_path / "latest.sha256").read_text().startswith(f"global_step7\nmanifest {SHA}\n")
+    assert read_latest(tmp_path) == Latest("global_step7", SHA)
+
+
+def test_latest_without_sibling_and_older_formats_are_read(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_text("global_step5")  # DeepSpeed's, or edited by hand
+    assert read_latest(tmp_path) == Latest("global_step5", None)
+    write_latest(tmp_path, "global_step7", SHA)
+    # Before 2026-11-29 zerotrain wrote the three lines into latest itself.
+    (tmp_path / "latest").write_text((tmp_path / "latest.sha256").read_text())
+    (tmp_path / "latest.sha256").unlink()
+    assert read_latest(tmp_path) == Latest("global_step7", SHA)
+
+
+def _read_with_warnings(root: Path, caplog: pytest.LogCaptureFixture) -> Latest:
+    logger = logging.getLogger("zerotrain")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            return read_latest(root)
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def test_when_the_two_differ_the_newer_file_wins_with_a_warning(tmp_path: Path, caplog) -> None:
+    write_latest(tmp_path, "global_step7", SHA)
+    latest, sibling = tmp_path / "latest", tmp_path / "latest.sha256"
+    latest.write_text("global_step3\n")  # edited by hand after the save
+    os.utime(sibling, ns=(1_000_000_000, 1_000_000_000))
+    assert _read_with_warnings(tmp_path, caplog) == Latest("global_step3", None)
+    assert "latest names global_step3, but was rewritten after the last save" in caplog.text
+    caplog.clear()
+    # latest older than its sibling: a save that ended between the two files (or a damaged
+    # latest): the sibling, written last, names the committed checkpoint.
+    os.utime(latest, ns=(1_000_000_000, 1_000_000_000))
+    os.utime(sibling, ns=(2_000_000_000, 2_000_000_000))
+    assert _read_with_warnings(tmp_path, caplog) == Latest("global_step7", SHA)
+    assert "a save ended between the two files" in caplog.text
+
+
+def test_a_damaged_sibling_is_refused_naming_it(tmp_path: Path) -> None:
+    write_latest(tmp_path, "global_step7", SHA)
+    sibling = tmp_path / "latest.sha256"
+    sibling.write_text(sibling.read_text().replace("ab", "ac", 1))
+    with pytest.raises(CorruptCheckpointError, match=r"latest\.sha256 is corrupt"):
+        read_latest(tmp_path)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

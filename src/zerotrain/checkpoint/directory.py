@@ -7,10 +7,16 @@ to ``SAVE_DIR/.TAG.old/`` before the new one is renamed into place, and deletes 
 ``latest`` names the new one, so at every instant one complete copy of the tag exists under a
 name that :func:`locate` finds and the next save's :func:`recover` completes or undoes.
 
-``latest`` holds the tag, the SHA-256 of that checkpoint's manifest, and a CRC-32 of those two
-lines: a bit flip in it is refused instead of naming another checkpoint, and a ``latest``
-written before a same-tag checkpoint was replaced still finds the copy it was written for.
-Format-1 ``latest`` files (the tag alone) are read as they are.
+``latest`` holds the tag alone, as DeepSpeed writes it (its ``zero_to_fp32.py``, its engine
+and the scripts copied from them read ``open(latest).read().strip()``). Its sibling
+``latest.sha256``, written just before it, holds the tag again, the SHA-256 of that
+checkpoint's manifest and a CRC-32 of those two lines: a damaged sibling is refused naming
+it, and a ``latest`` written before a same-tag checkpoint was replaced still finds the copy
+it was written for. Where the two name different tags, the newer file wins, with a warning:
+``latest`` when it was rewritten after the save (by hand, or by another tool), the sibling
+otherwise (a save that ended between the two files, or a damaged ``latest``).
+Checkpoints saved before 2026-11-29 have the three lines in ``latest`` itself (format 2);
+they are read as they are, and so are directories with a ``latest`` alone (DeepSpeed's).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from zerotrain.utils.logging import get_logger
 log = get_logger(__name__)
 
 LATEST = "latest"
+LATEST_CHECKSUM = "latest.sha256"
 PARTIAL_SUFFIX = ".partial"
 OLD_SUFFIX = ".old"
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]*")
@@ -84,14 +91,54 @@ def _latest_body(tag: str, checksum: str) -> str:
 
 
 def write_latest(root: Path, tag: str, manifest_checksum: str) -> None:
-    """Point ``root/latest`` at checkpoint ``tag`` whose manifest has ``manifest_checksum``."""
+    """Point ``root/latest`` at checkpoint ``tag`` whose manifest has ``manifest_checksum``:
+    first its checksum file, then ``latest`` (the tag alone), each atomically."""
     body = _latest_body(tag, manifest_checksum)
-    write_text_atomically(root / LATEST, f"{body}crc32 {zlib.crc32(body.encode()):08x}\n")
+    checked = f"{body}crc32 {zlib.crc32(body.encode()):08x}\n"
+    write_text_atomically(root / LATEST_CHECKSUM, checked)
+    write_text_atomically(root / LATEST, tag)
 
 
 def read_latest(root: Path) -> Latest:
-    """Parse and verify ``root/latest``; CorruptCheckpointError naming it if it is damaged."""
-    pointer = root / LATEST
+    """The tag ``root/latest`` names and, where ``latest.sha256`` was written with it, the
+    manifest checksum to verify; CorruptCheckpointError naming the damaged file."""
+    latest = _read_pointer(root / LATEST)
+    sibling = root / LATEST_CHECKSUM
+    if latest.manifest_checksum is not None or not sibling.is_file():
+        return latest  # format 2 (the checksum inside), or no checksum written (DeepSpeed's)
+    checked = _read_pointer(sibling)
+    if checked.manifest_checksum is None:
+        raise CorruptCheckpointError(f"{sibling} is corrupt: it holds a tag alone")
+    if checked.tag == latest.tag:
+        return checked
+    if (root / LATEST).stat().st_mtime_ns > sibling.stat().st_mtime_ns:
+        log.warning(
+            "%s names %s, but was rewritten after the last save wrote %s (which names %s): "
+            "loading %s, as %s says, without the manifest check",
+            root / LATEST,
+            latest.tag,
+            sibling,
+            checked.tag,
+            latest.tag,
+            LATEST,
+        )
+        return latest
+    log.warning(
+        "%s names %s, but %s, written by the last save after it, names %s (a save ended "
+        "between the two files, or %s was damaged): loading %s",
+        root / LATEST,
+        latest.tag,
+        sibling,
+        checked.tag,
+        LATEST,
+        checked.tag,
+    )
+    return checked
+
+
+def _read_pointer(pointer: Path) -> Latest:
+    """Parse and verify a pointer file: the tag alone (format 1) or tag, manifest checksum
+    and CRC-32 (format 2); CorruptCheckpointError naming it if it is damaged."""
     raw = pointer.read_bytes()
     try:
         text = raw.decode("ascii")

@@ -578,8 +578,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         if self.optimizer is None:
             return []
         return [
-            group.get("betas", group.get("momentum", 0.0))
-            for group in self.optimizer.param_groups
+            group.get("betas", group.get("momentum", 0.0)) for group in self.optimizer.param_groups
         ]
 
     def _current_lrs(self) -> list[float]:
