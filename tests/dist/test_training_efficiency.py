@@ -465,6 +465,52 @@ def test_models_that_take_deepspeeds_kwargs_receive_them():
     assert calls[3] == (False, 1.0, None, 16)
 
 
+class _ReadsKwargs(torch.nn.Module):
+    """DeepSpeed's PLD_SimpleModel (its unit tests) and bing_bert's way: the drop arguments
+    arrive through **kwargs; no block list for zerotrain to drop instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.calls: list[tuple] = []
+
+    def forward(self, x, y, **kwargs):
+        self.calls.append(
+            (kwargs.get("progressive_layer_drop", False), kwargs.get("pld_theta", 1.0))
+        )
+        return torch.nn.functional.mse_loss(self.linear(x), y)
+
+
+def _kwargs_pld_job(_: None) -> list[tuple]:
+    torch.manual_seed(0)
+    model = _ReadsKwargs()
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1},
+    }
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    for _step in range(4):
+        engine.backward(engine(torch.randn(2, 8), torch.randn(2, 8)))
+        engine.step()
+    engine.eval()
+    engine(torch.randn(2, 8), torch.randn(2, 8))  # evaluation: no drop arguments
+    return model.calls
+
+
+def test_models_that_read_the_drop_arguments_from_kwargs_receive_them():
+    (calls,) = run_distributed(_kwargs_pld_job, 1, None)
+    # DeepSpeed's formula: theta(t) = (1 - theta) * exp(-gamma * t) + theta, t the step.
+    theta = [0.5 * float(torch.tensor(-0.1 * t, dtype=torch.float64).exp()) + 0.5 for t in (1, 2)]
+    assert calls == [
+        (True, 1.0),
+        (True, 1.0),
+        (True, pytest.approx(theta[0])),
+        (True, pytest.approx(theta[1])),
+        (False, 1.0),
+    ]
+
+
 def _resume_job(directory: str) -> dict:
     spec = _spec(2, {"progressive_layer_drop": PLD, **CURRICULUM}, steps=6)
 

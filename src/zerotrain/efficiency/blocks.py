@@ -18,6 +18,10 @@ from torch import nn
 KNOWN_BLOCKS = ("Block", "GPTBlock", "GPT2Block", "LlamaDecoderLayer")
 
 
+class NoBlockStackError(ValueError):
+    """The model has no list of blocks of a known (or named) class."""
+
+
 def find_block_stack(
     model: nn.Module, block_types: Sequence[str], section: str
 ) -> tuple[str, nn.ModuleList]:
@@ -27,7 +31,8 @@ def find_block_stack(
     the longest such list wins.
 
     Raises:
-        ValueError: no such list (names ``section``.block_types), or two of equal length.
+        NoBlockStackError: no such list (names ``section``.block_types).
+        ValueError: two lists of equal length.
     """
     names = set(KNOWN_BLOCKS) | set(block_types)
 
@@ -40,7 +45,7 @@ def find_block_stack(
         if isinstance(module, nn.ModuleList) and len(module) and all(map(counts, module))
     ]
     if not found:
-        raise ValueError(
+        raise NoBlockStackError(
             f"{section}: found no list of transformer blocks in {type(model).__name__} "
             f"(looked for nn.ModuleList entries of class {', '.join(sorted(names))}); name "
             f"the model's pre-LN block class in {section}.block_types"

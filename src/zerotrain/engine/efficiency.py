@@ -7,8 +7,21 @@ blocks made to drop themselves or their tokens (``zerotrain.efficiency``). Each 
 forward then draws this micro-step's decisions (the same on every data-parallel rank), tells
 the stage-3 gatherer which blocks will not run, cuts the batch to the curriculum's length,
 and passes DeepSpeed's keyword arguments (``progressive_layer_drop``/``pld_theta``,
-``curriculum_seqlen``) to a model whose forward takes them. A model that takes
-``pld_theta`` drops its layers itself, as DeepSpeed expected, and is left unwrapped.
+``curriculum_seqlen``) to a model whose forward takes them.
+
+Who drops layers under ``progressive_layer_drop`` (``initialize`` logs which way it took):
+
+1. A forward with ``progressive_layer_drop`` and ``pld_theta`` parameters gets them every
+   training forward and drops its own layers, as DeepSpeed's models do.
+2. Otherwise zerotrain drops blocks itself where it finds a block list (known block
+   classes, or those named in ``progressive_layer_drop.block_types``): the model is called
+   without the two arguments.
+3. Otherwise a forward that takes ``**kwargs`` gets them there, as DeepSpeed passes them
+   (its ``PLD_SimpleModel`` and bing_bert read ``kwargs["pld_theta"]``).
+4. Otherwise ``initialize`` refuses, saying both ways out.
+
+Rule 2 comes before 3 because a forward's ``**kwargs`` often only passes arguments on
+(transformers' models do), and those would then never drop anything.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from zerotrain.config.efficiency import (
     RandomLTDConfig,
 )
 from zerotrain.config.schema import ZeroTrainConfig
-from zerotrain.efficiency.blocks import find_block_stack
+from zerotrain.efficiency.blocks import NoBlockStackError, find_block_stack
 from zerotrain.efficiency.curriculum import truncate_call
 from zerotrain.efficiency.layer_drop import (
     ProgressiveLayerDrop,
@@ -139,6 +152,12 @@ def _takes(model: nn.Module, *names: str) -> bool:
     """Whether ``model.forward`` has parameters called ``names`` (by name, not **kwargs)."""
     params = inspect.signature(model.forward).parameters
     return all(name in params for name in names)
+
+
+def _takes_any_keyword(model: nn.Module) -> bool:
+    """Whether ``model.forward`` has a ``**kwargs`` parameter."""
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _curriculum(cfg: ZeroTrainConfig) -> CurriculumSchedule | None:
@@ -255,15 +274,33 @@ def setup_training_efficiency(
         )
     if pld is not None and pld.enabled:
         result.layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma, pld.seed)
+        # The rule is in the module's docstring.
+        stack: nn.ModuleList | None = None
         if _takes(model, "progressive_layer_drop", "pld_theta"):
             result.pass_pld = True
             log.info(
-                "progressive_layer_drop: the model's forward takes pld_theta and drops "
-                "its own layers"
+                "progressive_layer_drop: the model's forward takes pld_theta by name and "
+                "drops its own layers"
             )
         else:
+            try:
+                path, stack = find_block_stack(model, pld.block_types, "progressive_layer_drop")
+            except NoBlockStackError as exc:
+                if not _takes_any_keyword(model):
+                    raise ValueError(
+                        f"{exc}; or give the model's forward progressive_layer_drop and "
+                        "pld_theta arguments (by name or through **kwargs) to drop its own "
+                        "layers, as DeepSpeed's models do"
+                    ) from exc
+                result.pass_pld = True
+                log.info(
+                    "progressive_layer_drop: no block list in %s, and its forward takes "
+                    "**kwargs: passing progressive_layer_drop and pld_theta there each "
+                    "training forward, as DeepSpeed does (the model drops its own layers)",
+                    type(model).__name__,
+                )
+        if stack is not None:
             refuse_split("progressive_layer_drop", model, groups, _CURRICULUM_NOTE)
-            path, stack = find_block_stack(model, pld.block_types, "progressive_layer_drop")
             apply_layer_drop(list(stack), result.layer_drop, model)
             result.dropping_blocks = list(stack)
             log.info(
