@@ -1,8 +1,9 @@
 """``gradient_accumulation_fusion`` through the engine: on the micro-steps that reduce nothing,
 large ``nn.Linear`` weights get their gradient added into the gradient buffer in place
 (``aten::addmm_``), and training equals one process training the same global batch
-(clipping active), at ZeRO stages 0-1 over 2 data-parallel ranks and on a 2-stage
-pipeline. With the key off, no in-place add happens."""
+(clipping active), at ZeRO stages 0-1 over 2 data-parallel ranks, on a 2-stage pipeline,
+and compiled by ``engine.compile()`` (whose graph keeps autograd's path). With the key off,
+no in-place add happens."""
 
 from __future__ import annotations
 
@@ -97,6 +98,28 @@ def _train_data_parallel(stage: int, fused: bool) -> dict:
     return {"losses": losses, "params": params, "adds": adds}
 
 
+def _train_compiled() -> dict:
+    """engine.compile() over fused layers: the compiled graph holds plain F.linear (the
+    fused backward is for eager code), and training is the same."""
+    engine, _, _, _ = zerotrain.initialize(
+        model=nn.Sequential(*_layers()), config=_config(1, True, pipeline=False)
+    )
+    engine.compile(backend="aot_eager")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in _batches(world * ACCUM):
+        mine = batch.chunk(world * ACCUM)[rank * ACCUM : (rank + 1) * ACCUM]
+        total = 0.0
+        for x in mine:
+            loss = _loss(engine(x))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / ACCUM)
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    return {"losses": losses, "params": params}
+
+
 def _train_pipeline(fused: bool) -> dict:
     module = PipelineModule(
         [
@@ -141,6 +164,17 @@ def test_fused_accumulation_trains_like_one_process(stage: int) -> None:
         # Both weights, on the ACCUM - 1 micro-steps of each step that reduce nothing.
         want_adds = 2 * (ACCUM - 1) * STEPS if fused else 0
         assert [got["adds"] for got in ranks] == [want_adds, want_adds]
+
+
+def test_compiled_model_with_fused_layers_trains_like_one_process() -> None:
+    want_losses, want_params = _reference(2 * ACCUM)
+    own = "torch.compile patches nn.Module for the process's life"
+    ranks = run_distributed(_train_compiled, 2, timeout=240, own_processes=own)
+    mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    torch.testing.assert_close(mean, want_losses, rtol=1e-5, atol=1e-6)
+    for got in ranks:
+        for p, want in zip(got["params"], want_params, strict=True):
+            torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_accumulation_on_a_pipeline_trains_like_one_process() -> None:
