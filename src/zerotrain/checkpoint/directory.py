@@ -186,6 +186,7 @@ def locate(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Man
     if not root.is_dir():
         raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
     expected: str | None = None
+    named_by = "checkpoint"  # how the error names a missing directory
     if tag is None:
         if (root / MANIFEST).is_file():
             return root, read_manifest(root)
@@ -203,6 +204,7 @@ def locate(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Man
             )
         latest = read_latest(root)
         tag, expected = latest.tag, latest.manifest_checksum
+        named_by = f"{pointer} names checkpoint {tag}, but"
     path, old = root / tag, old_dir(root, tag)
     if expected is None:
         if path.is_dir():
@@ -210,7 +212,7 @@ def locate(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Man
         if (manifest := _complete(old)) is not None:
             log.warning("%s is missing; loading its previous copy %s", path, old)
             return old, manifest
-        raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
+        raise CheckpointNotFoundError(f"{named_by} {path} does not exist")
     found = read_manifest(path) if path.is_dir() else None  # a damaged manifest names itself
     if found is not None and found.checksum == expected:
         return path, found

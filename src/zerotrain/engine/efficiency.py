@@ -283,6 +283,7 @@ def setup_training_efficiency(
                 "drops its own layers"
             )
         else:
+            refuse_split("progressive_layer_drop", model, groups, _CURRICULUM_NOTE)
             try:
                 path, stack = find_block_stack(model, pld.block_types, "progressive_layer_drop")
             except NoBlockStackError as exc:
@@ -300,7 +301,6 @@ def setup_training_efficiency(
                     type(model).__name__,
                 )
         if stack is not None:
-            refuse_split("progressive_layer_drop", model, groups, _CURRICULUM_NOTE)
             apply_layer_drop(list(stack), result.layer_drop, model)
             result.dropping_blocks = list(stack)
             log.info(
