@@ -77,12 +77,11 @@ def _strict(raw: dict[str, Any]) -> bool:
 def _ignored_top_level_key(key: str) -> str:
     """The warning for an unknown top-level key, naming the nearest known one."""
     known = list(ZeroTrainConfig.model_fields)
-    nearest = closest(key, known) or difflib.get_close_matches(key, known, n=1, cutoff=0.0)
-    name = nearest if isinstance(nearest, str) else (nearest[0] if nearest else None)
-    hint = f"; the nearest known key is '{name}'" if name else ""
+    # A likely typo first; else the most similar key, however far (cutoff 0 always finds one).
+    nearest = closest(key, known) or difflib.get_close_matches(key, known, n=1, cutoff=0.0)[0]
     return (
-        f"ignoring unknown top-level key '{key}'{hint} (DeepSpeed ignores such keys too; "
-        "zerotrain.strict_config: true makes them errors)"
+        f"ignoring unknown top-level key '{key}'; the nearest known key is '{nearest}' "
+        "(DeepSpeed ignores such keys too; zerotrain.strict_config: true makes them errors)"
     )
 
 
