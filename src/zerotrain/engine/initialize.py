@@ -51,6 +51,7 @@ from zerotrain.engine.sequence_setup import distinct_random_streams, route_atten
 from zerotrain.engine.sparse_setup import setup_sparse_attention
 from zerotrain.engine.telemetry import TelemetryPolicy, predict_memory, telemetry_policy
 from zerotrain.engine.tensor_setup import split_model, tensor_plan
+from zerotrain.estimate import MemoryEstimate
 from zerotrain.offload.manager import Offload
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.pipeline.module import PipelineModule
@@ -312,6 +313,15 @@ class _Prepared:
     efficiency: Any  # progressive layer drop and curricula (engine.efficiency)
 
 
+@dataclass
+class _Zero:
+    """What ``apply_zero`` built: the strategy, its offload manager, the estimate to log."""
+
+    strategy: ZeroStrategy
+    offload: Offload | None
+    estimate: MemoryEstimate | None  # None unless training.log_memory asked for it
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -381,7 +391,7 @@ def initialize(
     user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     param_groups = resolve_param_groups(model, model_parameters, user_optimizer)
     built = apply_zero(model, grid, prepared, param_groups)
-    strategy = built[0]
+    strategy = built.strategy
     spec = grid.policies.optimizer
     opt = make_optimizer(optimizer, spec, strategy, param_groups, model_parameters)
     scheduler = make_scheduler(lr_scheduler, grid.policies.scheduler, opt.optimizer)
@@ -502,10 +512,10 @@ def _place(model: nn.Module, grid: _Grid, keep_whole: bool) -> DeferredValues | 
 
 def apply_zero(
     model: nn.Module, grid: _Grid, prepared: _Prepared, param_groups: ParamGroups
-) -> tuple[ZeroStrategy, Offload | None, Any]:
+) -> _Zero:
     """Pack the parameters into units and hook gradient reduction (the ZeRO strategy), with
-    the offload manager it needs; returns them and the memory estimate to log (None unless
-    asked), made before the parameters are repacked."""
+    the offload manager it needs, and the memory estimate to log (None unless asked), made
+    before the parameters are repacked."""
     policies, zero, comm = grid.policies, grid.zero, grid.comm
     estimate = None
     if policies.training.log_memory:
@@ -551,20 +561,20 @@ def apply_zero(
         if offload is not None:
             offload.close()  # its swap files and allocator setting; no engine will
         raise
-    return strategy, offload, estimate
+    return _Zero(strategy, offload, estimate)
 
 
 def apply_engine(
     model: nn.Module,
     grid: _Grid,
     prepared: _Prepared,
-    built: tuple[ZeroStrategy, Offload | None, Any],
+    built: _Zero,
     opt: EngineOptimizer,
     scheduler: Any,
 ) -> Engine:
     """The engine over everything built so far (``built``: what ``apply_zero`` returned):
     a PipelineEngine for a PipelineModule."""
-    strategy, offload, estimate = built
+    strategy, offload, estimate = built.strategy, built.offload, built.estimate
     policies = grid.policies
     engine_args = [model, grid.env, grid.comm, policies.training, strategy, opt, scheduler]
     engine_args += [policies.precision, grid.telemetry, estimate]
