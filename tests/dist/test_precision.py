@@ -63,7 +63,7 @@ def _bf16_run(spec: RunSpec) -> dict:
     return {**result, "dtypes": sorted(map(str, engine_dtypes))}
 
 
-CURVE_STEPS = 30  # the long horizon (300 steps, a picture) is benchmarks/bf16_curves.py
+CURVE_STEPS = 20  # the long horizon (300 steps, a picture) is benchmarks/bf16_curves.py
 
 
 @functools.cache
