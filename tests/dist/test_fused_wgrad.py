@@ -73,26 +73,28 @@ def _in_place_adds(run) -> tuple[object, int]:  # type: ignore[no-untyped-def]
     return result, sum(1 for e in prof.events() if e.name == "aten::addmm_")
 
 
+def _train_windows(engine: zerotrain.Engine) -> list[float]:
+    """Each step's ACCUM micro-steps on this rank's share of the global batch; the mean
+    loss of each step on this rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in _batches(world * ACCUM):
+        mine = batch.chunk(world * ACCUM)[rank * ACCUM : (rank + 1) * ACCUM]
+        total = 0.0
+        for x in mine:
+            loss = _loss(engine(x))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / ACCUM)
+    return losses
+
+
 def _train_data_parallel(stage: int, fused: bool) -> dict:
     engine, _, _, _ = zerotrain.initialize(
         model=nn.Sequential(*_layers()), config=_config(stage, fused, pipeline=False)
     )
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    def run() -> list[float]:
-        losses = []
-        for batch in _batches(world * ACCUM):
-            mine = batch.chunk(world * ACCUM)[rank * ACCUM : (rank + 1) * ACCUM]
-            total = 0.0
-            for x in mine:
-                loss = _loss(engine(x))
-                engine.backward(loss)
-                engine.step()
-                total += loss.item()
-            losses.append(total / ACCUM)
-        return losses
-
-    losses, adds = _in_place_adds(run)
+    losses, adds = _in_place_adds(lambda: _train_windows(engine))
     params = [p.detach().clone() for p in engine.module.parameters()]  # whole at 0-1
     engine.destroy()
     return {"losses": losses, "params": params, "adds": adds}
@@ -105,17 +107,7 @@ def _train_compiled() -> dict:
         model=nn.Sequential(*_layers()), config=_config(1, True, pipeline=False)
     )
     engine.compile(backend="aot_eager")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for batch in _batches(world * ACCUM):
-        mine = batch.chunk(world * ACCUM)[rank * ACCUM : (rank + 1) * ACCUM]
-        total = 0.0
-        for x in mine:
-            loss = _loss(engine(x))
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        losses.append(total / ACCUM)
+    losses = _train_windows(engine)
     params = [p.detach().clone() for p in engine.module.parameters()]
     return {"losses": losses, "params": params}
 

@@ -435,15 +435,18 @@ class _TakesDeepSpeedKwargs(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# Layer drop for a model that drops its own layers, as DeepSpeed's models do.
+OWN_LAYER_DROP = {
+    "train_batch_size": 2,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1},
+}
+
+
 def _kwargs_job(_: None) -> list[tuple]:
     torch.manual_seed(0)
     model = _TakesDeepSpeedKwargs()
-    config = {
-        "train_batch_size": 2,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1},
-        **CURRICULUM,
-    }
+    config = {**OWN_LAYER_DROP, **CURRICULUM}
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
     for _step in range(3):
         x = torch.randint(0, 256, (2, 17))
@@ -484,12 +487,7 @@ class _ReadsKwargs(torch.nn.Module):
 def _kwargs_pld_job(_: None) -> list[tuple]:
     torch.manual_seed(0)
     model = _ReadsKwargs()
-    config = {
-        "train_batch_size": 2,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1},
-    }
-    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    engine, _, _, _ = zerotrain.initialize(model=model, config=OWN_LAYER_DROP)
     for _step in range(4):
         engine.backward(engine(torch.randn(2, 8), torch.randn(2, 8)))
         engine.step()
