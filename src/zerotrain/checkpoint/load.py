@@ -21,6 +21,11 @@ import torch
 
 from zerotrain.checkpoint import rank_local, regions, rng
 from zerotrain.checkpoint.boxes import Region, shared_count
+from zerotrain.checkpoint.deepspeed_import import (
+    is_deepspeed_checkpoint,
+    read_deepspeed_checkpoint,
+)
+from zerotrain.checkpoint.deepspeed_reader import ImportedReader
 from zerotrain.checkpoint.directory import locate
 from zerotrain.checkpoint.dtype_names import dtype_from_name
 from zerotrain.checkpoint.errors import (
@@ -278,6 +283,8 @@ def _load_optimizer(state: TrainState, reader: CheckpointReader) -> None:
         for key, value in saved.items():
             if key in GROUP_LAYOUT_KEYS:
                 continue  # this rank's own layout (saved by older versions: rank 0's)
+            if reader.foreign and key not in group:
+                continue  # a setting of the other system's optimizer that this one lacks
             current = group.get(key)
             if isinstance(current, torch.Tensor):
                 current.fill_(value)
@@ -318,6 +325,10 @@ def _load_rng(state: TrainState, reader: CheckpointReader) -> None:
         )
     if rank >= manifest.world_size:
         return
+    if not manifest.rng:
+        if rank == 0:
+            log.info("%s holds no random states; every rank keeps its own", reader.path)
+        return
     tensors = {}
     for key in (rng.TORCH_KEY, rng.CUDA_KEY):
         value = reader.rank_tensor(rank, key)
@@ -338,6 +349,19 @@ def _load_client_state(path: Path, manifest: Manifest) -> Any:
         raise CorruptCheckpointError(f"{file}: cannot be loaded ({exc})") from exc
 
 
+def _group_names(state: TrainState) -> list[list[str]]:
+    """The parameter names of each of the job's optimizer groups, in the model's order."""
+    names_by_id = regions.canonical_names(state.module)
+    order = {name: i for i, name in enumerate(names_by_id.values())}
+    groups: dict[int, list[str]] = {}
+    for unit in state.sharded.units:
+        for param, group in zip(unit.buffer.params, unit.groups, strict=True):
+            if group is not None:
+                groups.setdefault(group, []).append(names_by_id[id(param)])
+    count = len(state.optimizer.param_groups) if state.optimizer is not None else 0
+    return [sorted(groups.get(g, []), key=order.__getitem__) for g in range(count)]
+
+
 def _open_verified(
     state: TrainState, load_dir: str | os.PathLike[str], tag: str | None
 ) -> CheckpointReader:
@@ -349,9 +373,13 @@ def _open_verified(
     error: BaseException | None = None
     reader: CheckpointReader | None = None
     try:
-        reader = CheckpointReader(*locate(load_dir, tag))
-        files = sorted(reader.manifest.files)
-        reader.verify(files[placement.global_rank :: placement.topology.world_size])
+        if is_deepspeed_checkpoint(Path(load_dir), tag):
+            imported = read_deepspeed_checkpoint(Path(load_dir), tag, lambda: _group_names(state))
+            reader = ImportedReader(imported)  # every file was read whole
+        else:
+            reader = CheckpointReader(*locate(load_dir, tag))
+            files = sorted(reader.manifest.files)
+            reader.verify(files[placement.global_rank :: placement.topology.world_size])
     except Exception as exc:
         error = exc
     agree(world, error, "checking the checkpoint's files")
@@ -395,7 +423,13 @@ def load_checkpoint(
                 _load_rank_local(state, reader)
         if not load_module_only:
             _load_progress(state, reader, load_lr_scheduler_states)
-        client_state = _load_client_state(reader.path, manifest)
+        if isinstance(reader, ImportedReader):
+            client_state = reader.imported.client_state(
+                optimizer=load_optimizer_states and not load_module_only,
+                scheduler=load_lr_scheduler_states and not load_module_only,
+            )
+        else:
+            client_state = _load_client_state(reader.path, manifest)
     except CheckpointError:
         raise
     except Exception as exc:

@@ -25,6 +25,8 @@ from zerotrain.utils.invariant import invariant
 class CheckpointReader:
     """Random access to the tensors of checkpoint directory ``path``."""
 
+    foreign = False  # another system's checkpoint, read through an adapter (DeepSpeed's)
+
     def __init__(self, path: Path, manifest: Manifest | None = None) -> None:
         self.path = path
         self.manifest = manifest or read_manifest(path)

@@ -1,0 +1,121 @@
+"""DeepSpeed checkpoints loaded by ``engine.load_checkpoint`` and trained on.
+
+The checkpoints under tests/data/deepspeed/ were written by DeepSpeed 0.19.8 on 2 ranks
+(``tests/helpers/deepspeed_fixtures.py``: a tiny model with two param groups, AdamW,
+a warm-up schedule, clipping active, a loss spike after the save). For each, zerotrain
+starts the same model from other weights, loads the checkpoint and trains the steps
+DeepSpeed trained after saving it. Checked against DeepSpeed's own records:
+
+* the weights equal DeepSpeed's fp32 view of the checkpoint (its ``zero_to_fp32``) exactly;
+* the losses of the continued steps equal DeepSpeed's (fp32: 1e-5; bf16: the bf16 forward
+  of both systems, 1e-2), which needs the optimizer moments, step counts and schedule too;
+* counters, the learning rate after the steps, and the client state as DeepSpeed returns it.
+
+Saved at stages 0-3 in fp32 and bf16, loaded at the saved stage and world size and across
+them (world 1, other stages), and the universal form of one of them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerotrain
+from tests.helpers.deepspeed_fixtures import (
+    AFTER,
+    DATA,
+    GLOBAL_BATCH,
+    SAVED,
+    UNIVERSAL,
+    TinyNet,
+    batch,
+    config,
+    groups,
+)
+from zerotrain.testing.dist import run_distributed
+
+# (fixture, ZeRO stage of the loading job, its world size)
+LOADS = [
+    ("stage0_fp32", 0, 2),
+    ("stage1_bf16", 1, 2),
+    ("stage2_fp32", 2, 2),
+    ("stage2_bf16", 2, 2),
+    ("stage3_fp32", 3, 2),
+    ("stage3_bf16", 3, 2),
+    ("stage3_fp32", 1, 2),  # across stages
+    ("stage1_bf16", 3, 2),
+    ("stage0_fp32", 2, 2),
+    (UNIVERSAL, 2, 2),
+    ("stage2_bf16", 3, 1),  # and world sizes
+    ("stage3_fp32", 0, 1),
+]
+
+
+def _expected(fixture: str) -> dict[str, Any]:
+    return json.loads((DATA / fixture / "expected.json").read_text())
+
+
+def _continue(fixture: str, stage: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected = _expected(fixture)
+    cfg = config(stage, expected["precision"])
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // world
+    torch.manual_seed(123)  # other weights than DeepSpeed's: the load must replace them
+    model = TinyNet()
+    engine, _, _, scheduler = zerotrain.initialize(
+        model=model, model_parameters=groups(model), config=cfg
+    )
+    _, client = engine.load_checkpoint(str(DATA / fixture))
+    seen: dict[str, Any] = {
+        "steps": engine.global_steps,
+        "samples": engine.global_samples,
+        "iteration": scheduler.last_batch_iteration,
+        "client": {k: client.get(k) for k in ("epoch", "note")},
+        "client_keys": sorted(client),
+    }
+    with zerotrain.zero.GatheredParameters(list(engine.module.parameters())):
+        seen["weights"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    dtype = torch.bfloat16 if expected["precision"] == "bf16" else torch.float32
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in range(SAVED, SAVED + AFTER):
+        x, y = batch(step)
+        loss = engine(x[rank * per : (rank + 1) * per].to(dtype), y[rank * per : (rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    seen["losses"] = losses
+    seen["lr"] = engine.get_lr()
+    engine.destroy()
+    return seen
+
+
+@pytest.mark.parametrize(("fixture", "stage", "world"), LOADS)
+def test_deepspeed_checkpoint_continues_as_deepspeed_did(
+    fixture: str, stage: int, world: int
+) -> None:
+    expected = _expected(fixture)
+    seen = run_distributed(_continue, world, fixture, stage)[0]
+    reference = torch.load(DATA / fixture / "fp32_reference.pt")
+    for name, value in seen["weights"].items():
+        torch.testing.assert_close(value, reference[name].to(value.dtype), rtol=0, atol=0)
+    assert seen["steps"] == SAVED
+    assert seen["samples"] == SAVED * GLOBAL_BATCH
+    assert seen["iteration"] == SAVED - 1  # DeepSpeed's last_batch_iteration
+    assert seen["client"] == {"epoch": 2, "note": "from DeepSpeed"}
+    assert "global_steps" not in seen["client_keys"]
+    assert "lr_scheduler" not in seen["client_keys"]
+    tolerance = 5e-3 if expected["precision"] == "bf16" else 1e-5  # measured: 1.4e-3, 1.2e-7
+    torch.testing.assert_close(
+        torch.tensor(seen["losses"]),
+        torch.tensor(expected["losses_after"]),
+        rtol=tolerance,
+        atol=0,
+    )
+    assert seen["lr"] == pytest.approx(expected["lr_after"], rel=1e-12)

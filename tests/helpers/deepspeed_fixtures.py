@@ -1,0 +1,205 @@
+"""The DeepSpeed checkpoints under tests/data/deepspeed/: the model, data and configs that
+wrote them (the tests train the same in zerotrain), and the script that writes them.
+
+Run with DeepSpeed beside torch (not a zerotrain dependency), from the repository root:
+
+    python -m venv /tmp/dsvenv && /tmp/dsvenv/bin/pip install torch==2.13.0 deepspeed==0.19.8
+    DS_ACCELERATOR=cpu /tmp/dsvenv/bin/python -m tests.helpers.deepspeed_fixtures
+
+Each case trains the tiny model below with DeepSpeed on 2 ranks over gloo for ``SAVED``
+steps, saves a checkpoint (with a client state), trains ``AFTER`` more steps and records the
+global-batch losses of those steps in ``expected.json``, with DeepSpeed's own fp32 view of
+the saved weights (``zero_to_fp32``) beside them for the loader's exact comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "deepspeed"
+UNIVERSAL = "universal_stage2_bf16"  # ds_to_universal's output for the stage2_bf16 case
+WORLD = 2
+SAVED = 3
+AFTER = 3
+GLOBAL_BATCH = 8  # 4 per rank
+CASES = {
+    # name: (zero stage, precision)
+    "stage0_fp32": (0, "fp32"),
+    "stage1_bf16": (1, "bf16"),
+    "stage2_fp32": (2, "fp32"),
+    "stage2_bf16": (2, "bf16"),
+    "stage3_fp32": (3, "fp32"),
+    "stage3_bf16": (3, "bf16"),
+}
+
+
+class TinyNet(nn.Module):
+    """291 parameters (an odd count, so DeepSpeed pads its partitions), a buffer, a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 12)
+        self.norm = nn.LayerNorm(12)
+        self.hidden = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x))
+        h = torch.relu(self.hidden(self.norm(h)))
+        out = self.head(h) * self.scale.to(h.dtype)
+        return nn.functional.mse_loss(out.float(), y)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``; a loss spike at step 4 (inputs scaled by 30)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 5, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 3, generator=g)
+    return (x * 30 if step == 4 else x), y
+
+
+def config(stage: int, precision: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // WORLD,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.5,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 0.02,
+                "betas": [0.9, 0.99],
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 0.02,
+                "warmup_num_steps": 4,
+                "warmup_type": "linear",
+            },
+        },
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000,
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def groups(model: nn.Module) -> list[dict[str, Any]]:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def worker(rank: int, name: str, stage: int, precision: str, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29517",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+    )
+    torch.set_num_threads(1)
+    import deepspeed  # type: ignore[import-not-found]
+    from deepspeed.utils.zero_to_fp32 import (  # type: ignore[import-not-found]
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = TinyNet()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=groups(model), config=config(stage, precision)
+    )
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    per = GLOBAL_BATCH // WORLD
+
+    def step(i: int) -> float:
+        x, y = batch(i)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        loss = engine(x.to(dtype), y)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        torch.distributed.all_reduce(total)
+        return total.item() / WORLD
+
+    before = [step(i) for i in range(SAVED)]
+    engine.save_checkpoint(out, client_state={"epoch": 2, "note": "from DeepSpeed"})
+    after = [step(i) for i in range(SAVED, SAVED + AFTER)]
+    torch.distributed.barrier()
+    if rank == 0:
+        if stage == 0:  # no ZeRO partitions: the module's own states are the fp32 weights
+            tag = (Path(out) / "latest").read_text().strip()
+            saved = torch.load(Path(out) / tag / "mp_rank_00_model_states.pt", weights_only=False)
+            fp32 = saved["module"]
+        else:
+            fp32 = get_fp32_state_dict_from_zero_checkpoint(out)
+        torch.save({k: v.clone() for k, v in fp32.items()}, Path(out) / "fp32_reference.pt")
+        (Path(out) / "expected.json").write_text(
+            json.dumps(
+                {
+                    "stage": stage,
+                    "precision": precision,
+                    "world_size": WORLD,
+                    "saved_after_steps": SAVED,
+                    "losses_before": before,
+                    "losses_after": after,
+                    "lr_after": engine.get_lr(),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(CASES)
+    for name in names:
+        stage, precision = CASES[name]
+        out = DATA / name
+        shutil.rmtree(out, ignore_errors=True)
+        mp.spawn(worker, args=(name, stage, precision, str(out)), nprocs=WORLD)
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed copies its converter
+            (out / script).unlink(missing_ok=True)
+        print(name, "written")
+    if "stage2_bf16" in names:  # and its universal form, with the same expectations
+        universal = DATA / UNIVERSAL
+        shutil.rmtree(universal, ignore_errors=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(DATA / "stage2_bf16" / "global_step3"),
+                "--output_folder",
+                str(universal / "global_step3_universal"),
+                "--inject_missing_state",
+            ],
+            check=True,
+        )
+        for file in ("expected.json", "fp32_reference.pt"):
+            shutil.copy(DATA / "stage2_bf16" / file, universal / file)
+        print(UNIVERSAL, "written")
+
+
+if __name__ == "__main__":
+    main()
