@@ -112,22 +112,45 @@ def _tag_dir(load_dir: Path, tag: str | None, *, quiet: bool = False) -> Path | 
     return None
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[lo, hi)`` of flattened tensor ``name`` stored as ``kind`` (``param``,
+    ``master``, ``buffer`` or ``optim.<state>``) are elements ``offset...`` of
+    ``sources[source]``."""
+
+    kind: str
+    name: str
+    lo: int
+    hi: int
+    source: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One entry of the saved model: its shape, its dtype in the model, and whether the
+    optimizer stepped it."""
+
+    kind: str  # "param" or "buffer"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+
+
 @dataclass
 class ImportedCheckpoint:
-    """A DeepSpeed checkpoint as whole tensors by name."""
+    """A DeepSpeed checkpoint as pieces of whole tensors, by name."""
 
     path: Path
     stage: int
     world_size: int
     compute_dtype: torch.dtype | None
-    module: dict[str, torch.Tensor]  # the module's values as saved (in the compute dtype)
-    masters: dict[str, torch.Tensor]  # fp32 master weights of the trainable parameters
-    buffers: dict[str, torch.Tensor]
-    frozen: dict[str, torch.Tensor]
+    tensors: dict[str, TensorEntry]  # in the saved module's order
+    sources: dict[str, torch.Tensor]  # 1-D, memory-mapped from the files where possible
+    pieces: list[Piece]
     aliases: dict[str, str]  # tied parameter -> the one saved
     optimizer_type: str | None  # zerotrain's name for it; None: no optimizer states
-    optimizer_states: dict[str, dict[str, torch.Tensor]]  # state -> name -> whole tensor
-    optimizer_scalars: dict[str, dict[str, tuple[float, torch.dtype | None]]]  # name -> ...
+    optimizer_scalars: dict[str, dict[str, tuple[float, torch.dtype | None]]]  # by name
     groups: list[dict[str, Any]]
     scheduler: dict[str, Any] | None
     loss_scaler: dict[str, Any] | None
@@ -142,6 +165,38 @@ class ImportedCheckpoint:
         dropped = set(_ENGINE_KEYS) | ({"optimizer"} if optimizer else set())
         dropped |= {"lr_scheduler"} if scheduler else set()
         return {k: v for k, v in self.model_states.items() if k not in dropped}
+
+    def whole(self, kind: str, name: str) -> torch.Tensor:
+        """Tensor ``name`` stored as ``kind``, assembled (for tools and tests; the loader
+        reads only the elements it needs)."""
+        entry = self.tensors[name]
+        pieces = [p for p in self.pieces if p.kind == kind and p.name == name]
+        if not pieces:
+            raise KeyError(f"no {kind} stored for {name}")
+        out = torch.empty(math.prod(entry.shape), dtype=self.sources[pieces[0].source].dtype)
+        for p in pieces:
+            out[p.lo : p.hi] = self.sources[p.source][p.offset : p.offset + p.hi - p.lo]
+        return out.view(entry.shape)
+
+
+class _Builder:
+    """Collects the sources and pieces of one checkpoint."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, torch.Tensor] = {}
+        self.pieces: list[Piece] = []
+
+    def source(self, key: str, tensor: torch.Tensor) -> str:
+        self.sources[key] = tensor.reshape(-1)  # a view: memory-mapped storage stays mapped
+        return key
+
+    def whole(self, kind: str, name: str, tensor: torch.Tensor, key: str) -> None:
+        self.source(key, tensor)
+        self.pieces.append(Piece(kind, name, 0, tensor.numel(), key, 0))
+
+    def span(self, kind: str, name: str, lo: int, hi: int, key: str, offset: int) -> None:
+        if lo < hi:
+            self.pieces.append(Piece(kind, name, lo, hi, key, offset))
 
 
 GroupNames = Callable[[], list[list[str]]]
@@ -172,39 +227,31 @@ def read_deepspeed_checkpoint(
     optim_files = _optimizer_files(path)
     if not optim_files:
         return _read_stage0(path, model_states, group_names)
-    first = _as_dict(load_deepspeed_file(optim_files[0]))["optimizer_state_dict"]
-    stage = int(first["zero_stage"])
-    world = _world_size(first, optim_files)
-    optims = [first] + [
-        _as_dict(load_deepspeed_file(f))["optimizer_state_dict"] for f in optim_files[1:]
-    ]
+    optims = [_as_dict(load_deepspeed_file(f))["optimizer_state_dict"] for f in optim_files]
+    stage = int(optims[0]["zero_stage"])
+    world = _world_size(optims[0], optim_files)
     shapes = _param_shapes(model_states, path)
+    built = _Builder()
     if stage == 3:
-        frozen_parts = [
-            _as_dict(load_deepspeed_file(f)).get("frozen_param_fragments") or {}
-            for f in model_files
+        _stage3(built, shapes, optims, world, path)
+        parts = [
+            _as_dict(load_deepspeed_file(f)).get("frozen_param_fragments") for f in model_files
         ]
-        masters, states = _stage3(shapes, optims, world, path)
-        frozen = _stage3_frozen(model_states, frozen_parts)
-        module: dict[str, torch.Tensor] = {}
+        _stage3_frozen(built, model_states, parts, path)
     else:
-        masters, states = _stage12(shapes, optims, path)
-        frozen = dict(model_states.get("frozen_param_fragments") or {})
-        module = dict(model_states["module"])
-    base = first.get("base_optimizer_state") or first.get("optimizer_state_dict") or {}
-    scalars = _scalars_by_name(shapes, base, stage)
+        _stage12(built, shapes, optims, path)
+        for name, value in (model_states.get("frozen_param_fragments") or {}).items():
+            built.whole("param", name, value, f"frozen/{name}")
+    scalars = _scalars_by_name(shapes, _base(optims[0]), stage)
     return _assemble(
         path,
         stage,
         world,
         model_states,
-        module,
-        masters,
-        frozen,
-        states,
+        built,
         scalars,
-        base.get("param_groups", []),
-        first.get("loss_scaler"),
+        _base(optims[0]).get("param_groups", []),
+        optims[0].get("loss_scaler"),
     )
 
 
@@ -236,53 +283,21 @@ def _world_size(first: dict[str, Any], files: list[Path]) -> int:
     return world
 
 
-def _param_shapes(model_states: dict[str, Any], path: Path) -> list[dict[str, torch.Size]]:
+def _param_shapes(model_states: dict[str, Any], path: Path) -> list[dict[str, tuple[int, ...]]]:
     shapes = model_states.get("param_shapes")
     if not shapes:
         raise CorruptCheckpointError(f"{path}: the model states lack param_shapes")
-    return [dict(group) for group in shapes]
-
-
-def _stage12(
-    shapes: list[dict[str, torch.Size]], optims: list[dict[str, Any]], path: Path
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Stages 1-2: each group's partitions concatenated, cut by name."""
-    masters: dict[str, torch.Tensor] = {}
-    states: dict[str, dict[str, torch.Tensor]] = {}
-    paddings = optims[0].get("param_alignment_paddings")
-    for g, group in enumerate(shapes):
-        parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
-        flat = torch.cat(parts)
-        # Optimizer states keep each partition's padding; the fp32 partitions are saved
-        # without it, so their lengths say how much of each state is real.
-        per_state: dict[str, torch.Tensor] = {}
-        for key in _element_keys(optims[0], g, parts[0].numel()):
-            pieces = zip(optims, parts, strict=True)
-            per_state[key] = torch.cat(
-                [_base(o)["state"][g][key].reshape(-1)[: p.numel()] for o, p in pieces]
-            )
-        offset = 0
-        for i, (name, shape) in enumerate(group.items()):
-            numel = math.prod(shape)
-            if offset + numel > flat.numel():
-                raise CorruptCheckpointError(
-                    f"{path}: param group {g} holds {flat.numel()} elements, fewer than its "
-                    f"parameters need (at {name})"
-                )
-            masters[name] = flat[offset : offset + numel].view(tuple(shape))
-            for key, value in per_state.items():
-                states.setdefault(key, {})[name] = value[offset : offset + numel].view(tuple(shape))
-            offset += numel + (paddings[g][i] if paddings else 0)
-    return masters, states
+    return [{name: tuple(shape) for name, shape in group.items()} for group in shapes]
 
 
 def _base(optim: dict[str, Any]) -> dict[str, Any]:
+    """The wrapped torch optimizer's state dict (its key differs by stage)."""
     return optim.get("base_optimizer_state") or optim.get("optimizer_state_dict") or {}
 
 
 def _element_keys(optim: dict[str, Any], index: int, numel: int) -> list[str]:
-    """The optimizer's element-wise states of sub-group ``index`` (tensors of the
-    partition's length; 0-d ones such as ``step`` are scalars)."""
+    """The optimizer's element-wise states of (sub-)group ``index``: tensors of at least the
+    partition's length (0-d ones such as ``step`` are scalars)."""
     state = _base(optim).get("state", {}).get(index, {})
     return [
         key
@@ -291,58 +306,113 @@ def _element_keys(optim: dict[str, Any], index: int, numel: int) -> list[str]:
     ]
 
 
+def _stage12(
+    built: _Builder,
+    shapes: list[dict[str, tuple[int, ...]]],
+    optims: list[dict[str, Any]],
+    path: Path,
+) -> None:
+    """Stages 1-2: per group, the ranks' partitions in turn hold the group's flat buffer."""
+    paddings = optims[0].get("param_alignment_paddings")
+    for g, group in enumerate(shapes):
+        # The fp32 partitions are saved without their padding, so their lengths say where
+        # each rank's part starts; the optimizer states keep the padding at their ends.
+        parts = [o["single_partition_of_fp32_groups"][g] for o in optims]
+        starts = [sum(p.numel() for p in parts[:r]) for r in range(len(parts))]
+        keys = _element_keys(optims[0], g, parts[0].numel())
+        for r, (optim, part) in enumerate(zip(optims, parts, strict=True)):
+            built.source(f"fp32/{r}/{g}", part)
+            for key in keys:
+                built.source(f"{key}/{r}/{g}", _base(optim)["state"][g][key])
+        total = starts[-1] + parts[-1].numel()
+        offset = 0
+        for i, (name, shape) in enumerate(group.items()):
+            numel = math.prod(shape)
+            if offset + numel > total:
+                raise CorruptCheckpointError(
+                    f"{path}: param group {g} holds {total} elements, fewer than its "
+                    f"parameters need (at {name})"
+                )
+            for r, (start, part) in enumerate(zip(starts, parts, strict=True)):
+                a, b = max(offset, start), min(offset + numel, start + part.numel())
+                built.span("master", name, a - offset, b - offset, f"fp32/{r}/{g}", a - start)
+                for key in keys:
+                    built.span(
+                        f"optim.{key}", name, a - offset, b - offset, f"{key}/{r}/{g}", a - start
+                    )
+            offset += numel + (paddings[g][i] if paddings else 0)
+
+
 def _stage3(
-    shapes: list[dict[str, torch.Size]], optims: list[dict[str, Any]], world: int, path: Path
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Stage 3: each rank's sub-groups concatenated hold every parameter's partition in turn."""
-
-    def per_rank(optim: dict[str, Any]) -> dict[str, torch.Tensor]:
-        flat_groups = optim["fp32_flat_groups"]
-        out = {"fp32": torch.cat([t.reshape(-1) for t in flat_groups])}
-        state = _base(optim).get("state", {})
-        for key in _element_keys(optim, 0, flat_groups[0].numel()):
-            out[key] = torch.cat(
-                [state[i][key].reshape(-1)[: t.numel()] for i, t in enumerate(flat_groups)]
-            )
-        return out
-
-    ranks = [per_rank(o) for o in optims]
+    built: _Builder,
+    shapes: list[dict[str, tuple[int, ...]]],
+    optims: list[dict[str, Any]],
+    world: int,
+    path: Path,
+) -> None:
+    """Stage 3: each rank's sub-groups in turn hold every parameter's partition in turn."""
+    flat_groups = [o["fp32_flat_groups"] for o in optims]
+    sizes = [t.numel() for t in flat_groups[0]]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    keys = _element_keys(optims[0], 0, sizes[0])
+    for r, optim in enumerate(optims):
+        for i, tensor in enumerate(flat_groups[r]):
+            built.source(f"fp32/{r}/{i}", tensor)
+            for key in keys:
+                built.source(f"{key}/{r}/{i}", _base(optim)["state"][i][key])
     names = {n: s for group in shapes for n, s in group.items()}
     wanted = sum(math.ceil(math.prod(s) / world) for s in names.values())
-    if ranks[0]["fp32"].numel() != wanted:
+    if bounds[-1] != wanted:
         raise CorruptCheckpointError(
-            f"{path}: each rank's stage-3 partition holds {ranks[0]['fp32'].numel()} elements; "
-            f"the parameters in param_shapes need {wanted}"
+            f"{path}: each rank's stage-3 partition holds {bounds[-1]} elements; the "
+            f"parameters in param_shapes need {wanted}"
         )
-    masters: dict[str, torch.Tensor] = {}
-    states: dict[str, dict[str, torch.Tensor]] = {}
-    offset = 0
+    at = 0  # where the current parameter's partition starts in each rank's flat sequence
     for name, shape in names.items():
         numel = math.prod(shape)
         part = math.ceil(numel / world)
-        for key in ranks[0]:
-            whole = torch.cat([r[key][offset : offset + part] for r in ranks])[:numel]
-            value = whole.view(tuple(shape))
-            if key == "fp32":
-                masters[name] = value
-            else:
-                states.setdefault(key, {})[name] = value
-        offset += part
-    return masters, states
+        for r in range(world):
+            lo, hi = min(numel, r * part), min(numel, (r + 1) * part)
+            # The partition may cross sub-groups; cut it at their bounds.
+            for i in range(len(sizes)):
+                a, b = max(at, bounds[i]), min(at + hi - lo, bounds[i + 1])
+                if a < b:
+                    span_lo = lo + a - at
+                    built.span(
+                        "master", name, span_lo, span_lo + b - a, f"fp32/{r}/{i}", a - bounds[i]
+                    )
+                    for key in keys:
+                        built.span(
+                            f"optim.{key}",
+                            name,
+                            span_lo,
+                            span_lo + b - a,
+                            f"{key}/{r}/{i}",
+                            a - bounds[i],
+                        )
+        at += part
 
 
 def _stage3_frozen(
-    model_states: dict[str, Any], parts: list[dict[str, torch.Tensor]]
-) -> dict[str, torch.Tensor]:
-    frozen = {}
+    built: _Builder,
+    model_states: dict[str, Any],
+    parts: list[dict[str, torch.Tensor] | None],
+    path: Path,
+) -> None:
     for name, shape in (model_states.get("frozen_param_shapes") or {}).items():
         numel = math.prod(shape)
-        frozen[name] = torch.cat([p[name].reshape(-1) for p in parts])[:numel].view(tuple(shape))
-    return frozen
+        part = math.ceil(numel / len(parts))
+        for r, fragments in enumerate(parts):
+            if fragments is None or name not in fragments:
+                raise CorruptCheckpointError(
+                    f"{path}: the model states of rank {r} lack frozen parameter {name}"
+                )
+            key = built.source(f"frozen/{r}/{name}", fragments[name])
+            built.span("param", name, min(numel, r * part), min(numel, (r + 1) * part), key, 0)
 
 
 def _scalars_by_name(
-    shapes: list[dict[str, torch.Size]], base: dict[str, Any], stage: int
+    shapes: list[dict[str, tuple[int, ...]]], base: dict[str, Any], stage: int
 ) -> dict[str, dict[str, tuple[float, torch.dtype | None]]]:
     """Scalar optimizer states (``step``) of each parameter: its group's (stages 1-2: one
     state per group; stage 3: one per sub-group, taken from the first)."""
@@ -370,9 +440,9 @@ def _read_stage0(
     path: Path, model_states: dict[str, Any], group_names: GroupNames | None
 ) -> ImportedCheckpoint:
     """No ZeRO: the module holds the weights, ``optimizer`` torch's state dict."""
-    module = dict(model_states["module"])
+    module = model_states["module"]
     optimizer = model_states.get("optimizer")
-    states: dict[str, dict[str, torch.Tensor]] = {}
+    built = _Builder()
     scalars: dict[str, dict[str, tuple[float, torch.dtype | None]]] = {}
     groups: list[dict[str, Any]] = []
     if isinstance(optimizer, Mapping) and "param_groups" in optimizer:
@@ -394,32 +464,29 @@ def _read_stage0(
                     "load_optimizer_states=False to take the weights only"
                 )
             for index, name in zip(group["params"], ours, strict=True):
-                saved = optimizer["state"].get(index, {})
-                for key, value in saved.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        if name in module and value.shape != module[name].shape:
-                            raise IncompatibleCheckpointError(
-                                f"{path}: optimizer state {key} of parameter #{index} has shape "
-                                f"{list(value.shape)}, but {name}, the parameter at its place in "
-                                f"this job's group {g}, has {list(module[name].shape)}: the "
-                                "groups list parameters in another order; load with "
-                                "load_optimizer_states=False"
-                            )
-                        states.setdefault(key, {})[name] = value
-                    else:
+                for key, value in optimizer["state"].get(index, {}).items():
+                    if not isinstance(value, torch.Tensor) or value.dim() == 0:
                         scalars.setdefault(name, {})[key] = _scalar(value)
+                        continue
+                    if name in module and value.shape != module[name].shape:
+                        raise IncompatibleCheckpointError(
+                            f"{path}: optimizer state {key} of parameter #{index} has shape "
+                            f"{list(value.shape)}, but {name}, the parameter at its place in "
+                            f"this job's group {g}, has {list(module[name].shape)}: the "
+                            "groups list parameters in another order; load with "
+                            "load_optimizer_states=False"
+                        )
+                    built.whole(f"optim.{key}", name, value, f"{key}/{name}")
     buffers = set(model_states.get("buffer_names") or [])
-    trainable = {n: t for n, t in module.items() if n not in buffers}
-    masters = {n: t.float() for n, t in trainable.items() if t.is_floating_point()}
+    for name, value in module.items():
+        if name not in buffers and value.is_floating_point():
+            built.whole("master", name, value.float(), f"fp32/{name}")
     return _assemble(
         path,
         0,
         int(model_states.get("dp_world_size", 1)),
         model_states,
-        module,
-        masters,
-        {},
-        states,
+        built,
         scalars,
         groups,
         None,
@@ -431,12 +498,13 @@ def _read_universal(path: Path) -> ImportedCheckpoint:
     model_states = _as_dict(load_deepspeed_file(path / MODEL_STATES))
     shapes = _param_shapes(model_states, path)
     common = _as_dict(load_deepspeed_file(path / "zero" / "optimizer_state.pt"))
-    masters: dict[str, torch.Tensor] = {}
-    states: dict[str, dict[str, torch.Tensor]] = {}
+    built = _Builder()
     scalars: dict[str, dict[str, tuple[float, torch.dtype | None]]] = {}
     for group in shapes:
         for name, shape in group.items():
             folder = path / "zero" / name
+            if not (folder / "fp32.pt").is_file():
+                raise CheckpointNotFoundError(f"{folder / 'fp32.pt'} is missing")
             for file in sorted(folder.glob("*.pt")):
                 value = load_deepspeed_file(file)
                 key = file.stem
@@ -452,22 +520,14 @@ def _read_universal(path: Path) -> ImportedCheckpoint:
                         f"{file}: {list(value.shape)}, but param_shapes gives {list(shape)} "
                         "(a tensor-parallel universal checkpoint? zerotrain reads tp=1 only)"
                     )
-                value = value.reshape(tuple(shape))
-                if key == "fp32":
-                    masters[name] = value
-                else:
-                    states.setdefault(key, {})[name] = value
-            if name not in masters:
-                raise CorruptCheckpointError(f"{folder / 'fp32.pt'} is missing")
+                kind = "master" if key == "fp32" else f"optim.{key}"
+                built.whole(kind, name, value, f"{key}/{name}")
     return _assemble(
         path,
         int(common.get("zero_stage", 0)),
         int(model_states.get("dp_world_size", 1)),
         model_states,
-        dict(model_states["module"]),
-        masters,
-        {},
-        states,
+        built,
         scalars,
         list(common.get("param_groups", [])),
         common.get("loss_scaler"),
@@ -479,16 +539,36 @@ def _assemble(
     stage: int,
     world: int,
     model_states: dict[str, Any],
-    module: dict[str, torch.Tensor],
-    masters: dict[str, torch.Tensor],
-    frozen: dict[str, torch.Tensor],
-    states: dict[str, dict[str, torch.Tensor]],
+    built: _Builder,
     scalars: dict[str, dict[str, tuple[float, torch.dtype | None]]],
     groups: list[dict[str, Any]],
     loss_scaler: Any,
 ) -> ImportedCheckpoint:
+    """The checkpoint's entries in the saved module's order, with the module's own values
+    (the compute dtype at stages 0-2; stage 3 saves none) as ``param`` pieces, else the fp32
+    masters."""
     buffer_names = set(model_states.get("buffer_names") or [])
-    buffers = {n: t for n, t in model_states["module"].items() if n in buffer_names}
+    module = model_states["module"]
+    masters = {p.name for p in built.pieces if p.kind == "master"}
+    frozen = {p.name for p in built.pieces if p.kind == "param"}
+    shapes = {n: s for group in model_states.get("param_shapes") or [] for n, s in group.items()}
+    shapes |= dict(model_states.get("frozen_param_shapes") or {})
+    tensors: dict[str, TensorEntry] = {}
+    for name, value in module.items():
+        if name in buffer_names:
+            tensors[name] = TensorEntry("buffer", tuple(value.shape), value.dtype, False)
+            built.whole("buffer", name, value, f"buffer/{name}")
+            continue
+        shape = tuple(shapes.get(name, value.shape))
+        dtype = torch.float32 if name in masters else value.dtype
+        tensors[name] = TensorEntry("param", shape, dtype, name in masters)
+        if value.numel() == math.prod(shape) and name not in frozen:
+            built.whole("param", name, value, f"module/{name}")
+    for name in sorted(masters - set(tensors)):  # a module saved without it
+        raise CorruptCheckpointError(f"{path}: {name} has optimizer states but no module entry")
+    with_values = {p.name for p in built.pieces if p.kind == "param"}
+    for piece in [p for p in built.pieces if p.kind == "master" and p.name not in with_values]:
+        built.span("param", piece.name, piece.lo, piece.hi, piece.source, piece.offset)
     config = model_states.get("ds_config") or {}
     dtype = (
         torch.bfloat16
@@ -499,19 +579,20 @@ def _assemble(
     )
     accumulation = int(config.get("gradient_accumulation_steps", 1) or 1)
     steps = int(model_states.get("global_steps", 0))
+    state_keys = {p.kind for p in built.pieces if p.kind.startswith("optim.")}
     return ImportedCheckpoint(
         path=path,
         stage=stage,
         world_size=world,
         compute_dtype=dtype,
-        module={n: t for n, t in module.items() if n not in buffer_names and t.numel() > 0},
-        masters=masters,
-        buffers=buffers,
-        frozen=frozen,
-        aliases=dict(model_states.get("shared_params") or {}),
-        optimizer_type=_optimizer_name(config, states) if states else None,
-        optimizer_states=states,
-        optimizer_scalars=scalars,
+        tensors=tensors,
+        sources=built.sources,
+        pieces=built.pieces,
+        aliases={
+            k: v for k, v in (model_states.get("shared_params") or {}).items() if v in tensors
+        },
+        optimizer_type=_optimizer_name(config, state_keys) if state_keys else None,
+        optimizer_scalars={n: v for n, v in scalars.items() if n in masters},
         groups=[{k: g[k] for k in _GROUP_SETTINGS if k in g} for g in groups],
         scheduler=model_states.get("lr_scheduler"),
         loss_scaler=_loss_scaler(loss_scaler),
@@ -523,13 +604,15 @@ def _assemble(
     )
 
 
-def _optimizer_name(config: dict[str, Any], states: dict[str, Any]) -> str:
+def _optimizer_name(config: dict[str, Any], kinds: set[str]) -> str:
+    """zerotrain's name for the optimizer that saved states ``kinds`` (``optim.exp_avg``...)."""
     declared = ((config.get("optimizer") or {}).get("type") or "").lower()
+    states = {kind.removeprefix("optim.") for kind in kinds}
     if declared in _OPTIMIZERS:
         return _OPTIMIZERS[declared]
-    if {"exp_avg", "exp_avg_sq"} <= set(states):
+    if {"exp_avg", "exp_avg_sq"} <= states:
         return "Adam"  # a client optimizer of Adam's family
-    if set(states) == {"momentum_buffer"}:
+    if states == {"momentum_buffer"}:
         return "SGD"
     return declared or "+".join(sorted(states))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import pickle
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,10 @@ def load_deepspeed_file(path: Path) -> Any:
         raise CheckpointNotFoundError(f"{path} is missing from the DeepSpeed checkpoint")
     try:
         with torch.serialization.safe_globals(list(ALLOWED)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            # Mapped, not read: a loading rank touches only the pages of the elements it
+            # keeps (files of torch's zip format, which DeepSpeed has written since torch 1.6).
+            mmap = zipfile.is_zipfile(path)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
         found = _UNSUPPORTED.search(str(exc))
         if found:

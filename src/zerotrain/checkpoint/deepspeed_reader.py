@@ -1,15 +1,15 @@
 """A DeepSpeed checkpoint behind the :class:`CheckpointReader` interface.
 
-:mod:`deepspeed_import` turns DeepSpeed's files into whole tensors by name; here they get a
-manifest as zerotrain's own checkpoints have (every tensor one fragment covering all of it,
-held in memory), so ``load_checkpoint`` fills any grid and any ZeRO stage from it by the same
-code that loads zerotrain checkpoints.
+:mod:`deepspeed_import` describes DeepSpeed's files as pieces of whole tensors by name; here
+they become a manifest as zerotrain's own checkpoints have (each piece one fragment, its
+data a memory-mapped partition), so ``load_checkpoint`` fills any grid and any ZeRO stage
+from it by the same code that loads zerotrain checkpoints, each rank reading only the
+elements it keeps.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +45,11 @@ class _Entry:
 
 
 class _MemoryFile:
-    """The read interface of a safetensors file, over tensors in memory."""
+    """The read interface of a safetensors file, over 1-D tensors in memory (or mapped)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._tensors = {key: t.detach().reshape(-1) for key, t in tensors.items()}
-        self.entries = {key: _Entry(t.dtype) for key, t in self._tensors.items()}
+        self._tensors = tensors
+        self.entries = {key: _Entry(t.dtype) for key, t in tensors.items()}
 
     def read_into(self, key: str, lo: int, out: torch.Tensor) -> None:
         out.copy_(self._tensors[key][lo : lo + out.numel()])
@@ -64,86 +64,58 @@ class ImportedReader(CheckpointReader):
     foreign = True
 
     def __init__(self, imported: ImportedCheckpoint) -> None:
-        tensors: dict[str, torch.Tensor] = {}
-        manifest = _manifest(imported, tensors)
-        super().__init__(imported.path, manifest)
+        super().__init__(imported.path, _manifest(imported))
         self.imported = imported
-        self._files = {_FILE: _MemoryFile(tensors)}  # type: ignore[dict-item]
+        self._files = {_FILE: _MemoryFile(imported.sources)}  # type: ignore[dict-item]
 
     def verify(self, files: Any = None) -> None:
-        """Nothing to check: DeepSpeed writes no checksums, and every file was read whole
-        (its structure checked) when the checkpoint was imported."""
+        """Nothing to check: DeepSpeed writes no checksums, and the structure of every file
+        was checked when the checkpoint was imported."""
 
     def rank_tensor(self, rank: int, key: str) -> torch.Tensor | None:
         return None  # DeepSpeed saves no random states
 
 
-def _place(name: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    return {
-        "name": name,
-        "offsets": (0,) * len(shape),
-        "lengths": shape,
-        "lo": 0,
-        "hi": math.prod(shape),
-    }
+def _place(name: str, shape: tuple[int, ...], lo: int, hi: int) -> dict[str, Any]:
+    return {"name": name, "offsets": (0,) * len(shape), "lengths": shape, "lo": lo, "hi": hi}
 
 
-def _manifest(imported: ImportedCheckpoint, tensors: dict[str, torch.Tensor]) -> Manifest:
-    """The manifest of ``imported``; fills ``tensors`` with the data it points at."""
-    infos: dict[str, TensorInfo] = {}
-    fragments: list[Fragment] = []
-
-    def add(kind: str, name: str, value: torch.Tensor) -> None:
-        shape = tuple(value.shape)
-        key = f"{kind}/{name}"
-        tensors[key] = value
-        place = _place(name, shape)
-        fragments.append(Fragment(kind=kind, shape=shape, file=_FILE, key=key, offset=0, **place))
-
-    params = {**imported.frozen, **imported.masters, **imported.module}
-    saved_order = [n for n in imported.model_states.get("module", {}) if n in params]
-    for name in saved_order + [n for n in params if n not in set(saved_order)]:
-        value = imported.module.get(name, imported.masters.get(name, imported.frozen.get(name)))
-        assert value is not None
-        dtype = torch.float32 if name in imported.masters else value.dtype
-        infos[name] = TensorInfo(
-            kind="param",
-            shape=tuple(value.shape),
-            dtype=_dtype_name(dtype),
-            trainable=name in imported.masters,
+def _manifest(imported: ImportedCheckpoint) -> Manifest:
+    tensors = imported.tensors
+    fragments = [
+        Fragment(
+            kind=p.kind,
+            shape=tensors[p.name].shape,
+            file=_FILE,
+            key=p.source,
+            offset=p.offset,
+            **_place(p.name, tensors[p.name].shape, p.lo, p.hi),
         )
-        add("param", name, value)
-        if name in imported.masters:
-            add("master", name, imported.masters[name])
-    for name, value in imported.buffers.items():
-        shape = tuple(value.shape)
-        infos[name] = TensorInfo(kind="buffer", shape=shape, dtype=_dtype_name(value.dtype))
-        add("buffer", name, value)
-    for key, by_name in imported.optimizer_states.items():
-        for name, value in by_name.items():
-            add(f"optim.{key}", name, value)
+        for p in imported.pieces
+    ]
     optimizer = None
     if imported.optimizer_type is not None:
+        scalars = [
+            SlotScalars(
+                spans=(
+                    Place(**_place(name, tensors[name].shape, 0, math.prod(tensors[name].shape))),
+                ),
+                values={
+                    k: ScalarState(value=v, dtype=None if d is None else _dtype_name(d))
+                    for k, (v, d) in values.items()
+                },
+            )
+            for name, values in imported.optimizer_scalars.items()
+        ]
         optimizer = OptimizerInfo(
-            type=imported.optimizer_type,
-            groups=imported.groups,
-            scalars=[
-                SlotScalars(
-                    spans=(Place(**_place(name, tuple(imported.masters[name].shape))),),
-                    values={
-                        k: ScalarState(value=v, dtype=None if d is None else _dtype_name(d))
-                        for k, (v, d) in values.items()
-                    },
-                )
-                for name, values in imported.optimizer_scalars.items()
-                if name in imported.masters
-            ],
+            type=imported.optimizer_type, groups=imported.groups, scalars=scalars
         )
+    compute = imported.compute_dtype
     return Manifest(
         format=FORMAT,
         version=FORMAT_VERSION,
         tag=imported.path.name,
-        created=imported.path.stat().st_mtime if imported.path.exists() else time.time(),
+        created=imported.path.stat().st_mtime,
         topology=TopologyInfo(
             pipe=1,
             data=imported.world_size,
@@ -153,13 +125,21 @@ def _manifest(imported: ImportedCheckpoint, tensors: dict[str, torch.Tensor]) ->
         ),
         world_size=imported.world_size,
         stage=imported.stage,
-        compute_dtype=None if (compute := imported.compute_dtype) is None else _dtype_name(compute),
+        compute_dtype=None if compute is None else _dtype_name(compute),
         global_steps=imported.global_steps,
         global_samples=imported.global_samples,
         micro_steps=imported.micro_steps,
         skipped_steps=imported.skipped_steps,
-        tensors=infos,
-        aliases={k: v for k, v in imported.aliases.items() if v in infos},
+        tensors={
+            name: TensorInfo(
+                kind=entry.kind,
+                shape=entry.shape,
+                dtype=_dtype_name(entry.dtype),
+                trainable=entry.trainable,
+            )
+            for name, entry in tensors.items()
+        },
+        aliases=imported.aliases,
         files={},
         fragments=fragments,
         optimizer=optimizer,
