@@ -11,8 +11,8 @@ DeepSpeed trained after saving it. Checked against DeepSpeed's own records:
   of both systems, 1e-2), which needs the optimizer moments, step counts and schedule too;
 * counters, the learning rate after the steps, and the client state as DeepSpeed returns it.
 
-Saved at stages 0-3 in fp32 and bf16, loaded at the saved stage and world size and across
-them (world 1, other stages), and the universal form of one of them.
+Saved at stages 0-3 in fp32 and bf16 on 2 ranks, loaded on 1, 2 and 4 ranks at the saved
+stage and at others, and the universal form of two of them.
 """
 
 from __future__ import annotations
@@ -40,18 +40,24 @@ from zerotrain.testing.dist import run_distributed
 
 # (fixture, ZeRO stage of the loading job, its world size)
 LOADS = [
-    ("stage0_fp32", 0, 2),
+    ("stage0_fp32", 0, 2),  # as saved
     ("stage1_bf16", 1, 2),
     ("stage2_fp32", 2, 2),
     ("stage2_bf16", 2, 2),
     ("stage3_fp32", 3, 2),
     ("stage3_bf16", 3, 2),
-    ("stage3_fp32", 1, 2),  # across stages
+    (UNIVERSAL, 2, 2),
+    ("universal_stage3_fp32", 1, 2),  # at another stage
+    ("stage3_fp32", 1, 2),
     ("stage1_bf16", 3, 2),
     ("stage0_fp32", 2, 2),
-    (UNIVERSAL, 2, 2),
-    ("stage2_bf16", 3, 1),  # and world sizes
+    ("stage2_bf16", 3, 1),  # on one rank
     ("stage3_fp32", 0, 1),
+    ("stage1_bf16", 1, 1),
+    ("stage0_fp32", 1, 4),  # on four
+    ("stage1_bf16", 1, 4),
+    ("stage2_fp32", 3, 4),
+    ("stage3_bf16", 2, 4),
 ]
 
 

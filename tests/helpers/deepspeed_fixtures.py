@@ -9,7 +9,12 @@ Run with DeepSpeed beside torch (not a zerotrain dependency), from the repositor
 Each case trains the tiny model below with DeepSpeed on 2 ranks over gloo for ``SAVED``
 steps, saves a checkpoint (with a client state), trains ``AFTER`` more steps and records the
 global-batch losses of those steps in ``expected.json``, with DeepSpeed's own fp32 view of
-the saved weights (``zero_to_fp32``) beside them for the loader's exact comparison.
+the saved weights (``zero_to_fp32``) beside them for the loader's exact comparison; two of
+the checkpoints also in their universal form (DeepSpeed's ``ds_to_universal``).
+
+``python -m tests.helpers.deepspeed_fixtures continue PATH STAGE PRECISION OUT.json`` has
+DeepSpeed load universal checkpoint ``PATH`` (as ``zerotrain convert --to deepspeed``
+writes them) and train the steps after it, for tests/dist/test_deepspeed_export.py.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import torch.multiprocessing as mp
 from torch import nn
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "deepspeed"
-UNIVERSAL = "universal_stage2_bf16"  # ds_to_universal's output for the stage2_bf16 case
+# ds_to_universal's output for two of the cases, with the same expectations.
+UNIVERSALS = {"universal_stage2_bf16": "stage2_bf16", "universal_stage3_fp32": "stage3_fp32"}
+UNIVERSAL = "universal_stage2_bf16"
 WORLD = 2
 SAVED = 3
-AFTER = 3
+AFTER = 5
 GLOBAL_BATCH = 8  # 4 per rank
 CASES = {
     # name: (zero stage, precision)
@@ -62,7 +69,8 @@ class TinyNet(nn.Module):
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``; a loss spike at step 4 (inputs scaled by 30)."""
+    """The global batch of ``step``; at step 4 the inputs are scaled by 30 (large gradients,
+    which the clipping bounds)."""
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, 5, generator=g)
     y = torch.randn(GLOBAL_BATCH, 3, generator=g)
@@ -180,8 +188,10 @@ def main() -> None:
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed copies its converter
             (out / script).unlink(missing_ok=True)
         print(name, "written")
-    if "stage2_bf16" in names:  # and its universal form, with the same expectations
-        universal = DATA / UNIVERSAL
+    for universal_name, source in UNIVERSALS.items():
+        if source not in names:
+            continue
+        universal = DATA / universal_name
         shutil.rmtree(universal, ignore_errors=True)
         subprocess.run(
             [
@@ -189,7 +199,7 @@ def main() -> None:
                 "-m",
                 "deepspeed.checkpoint.ds_to_universal",
                 "--input_folder",
-                str(DATA / "stage2_bf16" / "global_step3"),
+                str(DATA / source / "global_step3"),
                 "--output_folder",
                 str(universal / "global_step3_universal"),
                 "--inject_missing_state",
@@ -197,9 +207,52 @@ def main() -> None:
             check=True,
         )
         for file in ("expected.json", "fp32_reference.pt"):
-            shutil.copy(DATA / "stage2_bf16" / file, universal / file)
-        print(UNIVERSAL, "written")
+            shutil.copy(DATA / source / file, universal / file)
+        print(universal_name, "written")
+
+
+def continue_worker(rank: int, path: str, stage: int, precision: str, out: str) -> None:
+    """DeepSpeed loads universal checkpoint ``path`` and trains the steps after it."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29518",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+    )
+    torch.set_num_threads(1)
+    import deepspeed  # type: ignore[import-not-found]
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(99)  # other weights: the load must replace them
+    model = TinyNet()
+    cfg = config(stage, precision) | {"checkpoint": {"load_universal": True}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups(model), config=cfg)
+    engine.load_checkpoint(path)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    per = GLOBAL_BATCH // WORLD
+    steps = engine.global_steps
+    losses = []
+    for i in range(steps, steps + AFTER):
+        x, y = batch(i)
+        loss = engine(x[rank * per : (rank + 1) * per].to(dtype), y[rank * per : (rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / WORLD)
+    if rank == 0:
+        result = {"loaded_steps": steps, "losses": losses, "lr": engine.get_lr()}
+        Path(out).write_text(json.dumps(result) + "\n")
+
+
+def continue_from(path: str, stage: int, precision: str, out: str) -> None:
+    """``continue PATH STAGE PRECISION OUT.json``: what DeepSpeed trains from ``PATH``."""
+    mp.spawn(continue_worker, args=(path, stage, precision, out), nprocs=WORLD)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["continue"]:
+        continue_from(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    else:
+        main()

@@ -56,16 +56,23 @@ def test_weights_equal_deepspeeds_own_fp32_consolidation(fixture: str) -> None:
     assert imported.optimizer_type == "Adam"
 
 
-@pytest.mark.parametrize("fixture", ["stage1_bf16", "stage2_bf16"])
-def test_moments_equal_deepspeeds_universal_consolidation(fixture: str) -> None:
-    """ds_to_universal (DeepSpeed's code) consolidated the stage-2 run's moments; the stage-1
-    run trained bitwise alike. Ours, cut from the padded partitions, are the same."""
-    ours, universal = _read(DATA / fixture), _read(DATA / UNIVERSAL)
+@pytest.mark.parametrize(
+    ("fixture", "universal"),
+    [
+        ("stage1_bf16", UNIVERSAL),  # trained bitwise like stage 2
+        ("stage2_bf16", UNIVERSAL),
+        ("stage3_fp32", "universal_stage3_fp32"),
+    ],
+)
+def test_moments_equal_deepspeeds_universal_consolidation(fixture: str, universal: str) -> None:
+    """ds_to_universal (DeepSpeed's code) consolidated the moments of the stage-2 and stage-3
+    runs. Ours, cut from the padded partitions, are the same."""
+    ours, theirs = _read(DATA / fixture), _read(DATA / universal)
     for name, entry in ours.tensors.items():
         if entry.trainable:
             for kind in ("optim.exp_avg", "optim.exp_avg_sq"):
                 torch.testing.assert_close(
-                    ours.whole(kind, name), universal.whole(kind, name), rtol=0, atol=0
+                    ours.whole(kind, name), theirs.whole(kind, name), rtol=0, atol=0
                 )
             assert ours.optimizer_scalars[name] == {"step": (3.0, torch.float32)}
 

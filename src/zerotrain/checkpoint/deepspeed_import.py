@@ -495,7 +495,9 @@ def _read_stage0(
 
 def _read_universal(path: Path) -> ImportedCheckpoint:
     """``ds_to_universal`` output: every parameter whole under ``zero/NAME/``."""
-    model_states = _as_dict(load_deepspeed_file(path / MODEL_STATES))
+    stage3_files = sorted(path.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))
+    model_file = path / MODEL_STATES if (path / MODEL_STATES).is_file() else stage3_files[0]
+    model_states = _as_dict(load_deepspeed_file(model_file))
     shapes = _param_shapes(model_states, path)
     common = _as_dict(load_deepspeed_file(path / "zero" / "optimizer_state.pt"))
     built = _Builder()
@@ -522,6 +524,9 @@ def _read_universal(path: Path) -> ImportedCheckpoint:
                     )
                 kind = "master" if key == "fp32" else f"optim.{key}"
                 built.whole(kind, name, value, f"{key}/{name}")
+            if name not in scalars and (step := _universal_step(common)) is not None:
+                # Stage-3 conversions keep one step for all, in the global state.
+                scalars[name] = {"step": step}
     return _assemble(
         path,
         int(common.get("zero_stage", 0)),
@@ -529,9 +534,14 @@ def _read_universal(path: Path) -> ImportedCheckpoint:
         model_states,
         built,
         scalars,
-        list(common.get("param_groups", [])),
+        list(common.get("param_groups") or _base(common).get("param_groups", [])),
         common.get("loss_scaler"),
     )
+
+
+def _universal_step(common: dict[str, Any]) -> tuple[float, torch.dtype | None] | None:
+    state = _base(common).get("state", {}).get(0, {})
+    return _scalar(state["step"]) if "step" in state else None
 
 
 def _assemble(

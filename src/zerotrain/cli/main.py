@@ -1,5 +1,6 @@
 """The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT,
-``consolidate`` turns a sharded checkpoint into one safetensors file, ``estimate`` predicts
+``consolidate`` turns a sharded checkpoint into one safetensors file, ``convert`` writes it
+as a DeepSpeed universal checkpoint, ``estimate`` predicts
 per-rank memory of a ZeRO configuration, ``lr-find`` runs an LR range test on a script,
 ``elastic-plan`` prints the batch plan of an ``elasticity`` config."""
 
@@ -9,6 +10,7 @@ import argparse
 import sys
 
 from zerotrain.cli import consolidate as consolidate_cmd
+from zerotrain.cli import convert as convert_cmd
 from zerotrain.cli import demo as demo_cmd
 from zerotrain.cli import elastic_plan as elastic_plan_cmd
 from zerotrain.cli import estimate as estimate_cmd
@@ -30,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(
             "consolidate", help="write a sharded checkpoint's full state dict to one file"
         )
+    )
+    convert_cmd.add_convert_arguments(
+        sub.add_parser("convert", help="write a checkpoint as a DeepSpeed universal checkpoint")
     )
     estimate_cmd.add_estimate_arguments(
         sub.add_parser(
@@ -57,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "run":
         return run_cmd.run(args)
+    if args.command == "convert":
+        return convert_cmd.run_convert(args)
     if args.command == "consolidate":
         return consolidate_cmd.run_consolidate(args)
     if args.command == "estimate":
