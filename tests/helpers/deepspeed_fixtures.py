@@ -228,7 +228,7 @@ def continue_worker(rank: int, path: str, stage: int, precision: str, out: str) 
     model = TinyNet()
     cfg = config(stage, precision) | {"checkpoint": {"load_universal": True}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups(model), config=cfg)
-    engine.load_checkpoint(path)
+    _, client = engine.load_checkpoint(path)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     per = GLOBAL_BATCH // WORLD
     steps = engine.global_steps
@@ -242,7 +242,12 @@ def continue_worker(rank: int, path: str, stage: int, precision: str, out: str) 
         torch.distributed.all_reduce(total)
         losses.append(total.item() / WORLD)
     if rank == 0:
-        result = {"loaded_steps": steps, "losses": losses, "lr": engine.get_lr()}
+        result = {
+            "loaded_steps": steps,
+            "losses": losses,
+            "lr": engine.get_lr(),
+            "client": {k: client.get(k) for k in ("epoch", "note")},
+        }
         Path(out).write_text(json.dumps(result) + "\n")
 
 

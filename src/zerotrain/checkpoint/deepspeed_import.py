@@ -574,8 +574,9 @@ def _assemble(
         tensors[name] = TensorEntry("param", shape, dtype, name in masters)
         if value.numel() == math.prod(shape) and name not in frozen:
             built.whole("param", name, value, f"module/{name}")
-    for name in sorted(masters - set(tensors)):  # a module saved without it
-        raise CorruptCheckpointError(f"{path}: {name} has optimizer states but no module entry")
+    for name, shape in shapes.items():  # parameters the module was saved without
+        if name in masters and name not in tensors:
+            tensors[name] = TensorEntry("param", tuple(shape), torch.float32, True)
     with_values = {p.name for p in built.pieces if p.kind == "param"}
     for piece in [p for p in built.pieces if p.kind == "master" and p.name not in with_values]:
         built.span("param", piece.name, piece.lo, piece.hi, piece.source, piece.offset)
