@@ -149,10 +149,12 @@ def test_updates_below_bf16_resolution_accumulate_in_the_fp32_master(stage):
 # -- fp16: overflow and loss scaling ---------------------------------------------------------
 
 
+# DeepSpeed's cadence: the scale doubles at a clean step that follows a positive multiple of
+# the window of clean steps since the last overflow (the 3rd step after one, with window 2).
 FP16 = {
     "enabled": True,
     "initial_scale_power": 8,
-    "loss_scale_window": 3,
+    "loss_scale_window": 2,
     "hysteresis": 1,
     "min_loss_scale": 1,
 }

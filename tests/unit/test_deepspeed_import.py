@@ -143,9 +143,10 @@ def test_stage0_optimizer_must_fit_the_jobs_groups() -> None:
 
 
 def test_dynamic_loss_scale_resumes_deepspeeds_cadence() -> None:
-    """DeepSpeed doubles the scale when (iterations since the last overflow) reaches a
-    multiple of the window; zerotrain counts clean steps since the last change. Saved 6 clean
-    steps after an overflow with a window of 4, DeepSpeed doubles at the 2nd next step."""
+    """DeepSpeed doubles the scale at a clean step when the clean steps before it since the
+    last overflow are a positive multiple of the window, as zerotrain does. Saved 6 clean
+    steps after an overflow (cur_iter 10, last overflow at 3) with a window of 4, both
+    double at the third step after the load (the one that follows 8 clean steps)."""
     saved = SavedDynamicLossScaler()
     saved.__setstate__(
         {
@@ -158,10 +159,11 @@ def test_dynamic_loss_scale_resumes_deepspeeds_cadence() -> None:
         }
     )
     state = _loss_scaler(saved)
-    assert state == {"scale": 1024.0, "clean_steps": 2, "grace": 2}
+    assert state == {"scale": 1024.0, "clean_steps": 6, "grace": 2}
     ours = LossScaler(LossScalePolicy(None, 65536.0, 4, 2, False, 1.0))
     ours.load_state_dict(state)
-    ours.update(overflow=False)
-    assert ours.scale == 1024.0
-    ours.update(overflow=False)
-    assert ours.scale == 2048.0
+    scales = []
+    for _ in range(3):
+        ours.update(overflow=False)
+        scales.append(ours.scale)
+    assert scales == [1024.0, 1024.0, 2048.0]

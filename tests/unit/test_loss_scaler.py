@@ -29,26 +29,44 @@ def _run(scaler: LossScaler, overflows: str) -> list[float]:
     return seen
 
 
-def test_scale_doubles_after_a_window_of_clean_steps_and_halves_on_overflow():
+# DeepSpeed 0.19.8's DynamicLossScaler(init_scale=1, scale_window, delayed_shift=hysteresis,
+# consecutive_hysteresis) fed each pattern ('x' overflow, '.' clean): the scale after each step.
+DEEPSPEED_SEQUENCES = [
+    ("...x...", 3, 1, False, [1, 1, 1, 0.5, 0.5, 0.5, 0.5]),
+    ("..x..x...", 3, 1, False, [1, 1, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.25]),
+    ("xx...x", 3, 2, False, [1, 0.5, 0.5, 0.5, 0.5, 0.25]),
+    ("x.x", 10, 2, False, [1, 1, 0.5]),
+    ("x.x", 10, 2, True, [1, 1, 1]),
+    ("......", 2, 1, False, [1, 1, 2, 2, 4, 4]),
+    (
+        "..x.x....x......xx...",
+        3,
+        2,
+        False,
+        [1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5, 1, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1],
+    ),
+    (
+        "..x.x....x......xx...",
+        3,
+        2,
+        True,
+        [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 4, 4, 4, 4, 2, 2, 2, 2],
+    ),
+    (".x..x.......", 2, 3, False, [1, 1, 1, 1, 1, 1, 1, 2, 2, 4, 4, 8]),
+]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "window", "hysteresis", "consecutive", "deepspeed"), DEEPSPEED_SEQUENCES
+)
+def test_scale_moves_as_deepspeeds_dynamic_loss_scaler(
+    pattern: str, window: int, hysteresis: int, consecutive: bool, deepspeed: list[float]
+) -> None:
+    """The first doubling at the (window + 1)-th clean step, then every window steps; an
+    overflow halves once the hysteresis grace is spent, and restarts the count."""
+    scaler = _scaler(window=window, hysteresis=hysteresis, consecutive_hysteresis=consecutive)
     s = 2.0**16
-    assert _run(_scaler(), "...x...") == [s, s, 2 * s, s, s, s, 2 * s]
-
-
-def test_an_overflow_restarts_the_window():
-    s = 2.0**16
-    assert _run(_scaler(), "..x..x...") == [s, s, s / 2, s / 2, s / 2, s / 4, s / 4, s / 4, s / 2]
-
-
-def test_hysteresis_forgives_overflows_until_the_scale_grows():
-    s = 2.0**16
-    # hysteresis 2: the first overflow is forgiven, the second halves; growing the scale
-    # restores the grace.
-    assert _run(_scaler(hysteresis=2), "xx...x") == [s, s / 2, s / 2, s / 2, s, s]
-    # Clean steps alone do not restore it ...
-    assert _run(_scaler(hysteresis=2, window=10), "x.x") == [s, s, s / 2]
-    # ... unless consecutive_hysteresis says so.
-    consecutive = _scaler(hysteresis=2, window=10, consecutive_hysteresis=True)
-    assert _run(consecutive, "x.x") == [s, s, s]
+    assert _run(scaler, pattern) == [s * f for f in deepspeed]
 
 
 def test_an_overflow_at_the_minimum_scale_stops_training():

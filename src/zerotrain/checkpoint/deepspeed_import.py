@@ -637,11 +637,9 @@ def _loss_scaler(saved: Any) -> dict[str, Any] | None:
         return None
     return {
         "scale": float(attributes["cur_scale"]),
-        # DeepSpeed counts clean steps from the last overflow and doubles at each multiple of
-        # the window; zerotrain counts from the last change of scale.
-        "clean_steps": (
-            int(attributes.get("cur_iter", 0)) - int(attributes.get("last_overflow_iter", -1)) - 1
-        )
-        % max(1, int(attributes.get("scale_window", 1000))),
+        # Both count the clean steps since the last overflow (zerotrain's rule is DeepSpeed's).
+        "clean_steps": int(attributes.get("cur_iter", 0))
+        - int(attributes.get("last_overflow_iter", -1))
+        - 1,
         "grace": int(attributes.get("cur_hysteresis", 1)),
     }

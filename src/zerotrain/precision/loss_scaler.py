@@ -1,13 +1,17 @@
 """Loss scaling for fp16: small gradients survive the fp16 backward pass when the loss is
 multiplied by ``scale`` first (and the gradients divided by it before the update).
 
-Dynamic scaling follows DeepSpeed's rules, so configs behave as their authors expect: after
-``window`` clean steps in a row the scale doubles; on an overflow the step is skipped and
-the scale halves, except that ``hysteresis`` grants that many overflows of grace first (the
-grace is restored whenever the scale grows, or after every clean step with
-``consecutive_hysteresis``). The scale never drops below ``min_scale``; an overflow that
-would take it lower stops training with :class:`LossScaleError`, as DeepSpeed does (the
-model overflows at every scale, and skipping steps forever would hide it).
+Dynamic scaling follows DeepSpeed's rules step for step (checked against its
+``DynamicLossScaler`` in tests/unit/test_loss_scaler.py), so configs behave as their authors
+expect and a run moved between the two keeps its scale: a clean step doubles the scale when
+the clean steps before it since the last overflow (or the start) are a positive multiple of
+``window``, so the first doubling comes at the ``window + 1``-th clean step and then every
+``window`` steps; on an overflow the step is skipped and the scale halves, except that
+``hysteresis`` grants that many overflows of grace first (the grace is restored whenever the
+scale grows, or after every clean step with ``consecutive_hysteresis``). The scale never
+drops below ``min_scale``; an overflow that would take it lower stops training with
+:class:`LossScaleError`, as DeepSpeed does (the model overflows at every scale, and skipping
+steps forever would hide it).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class LossScaler:
         self.policy = policy
         self.dynamic = policy.static_scale is None
         self.scale = policy.initial_scale if self.dynamic else float(policy.static_scale)  # type: ignore[arg-type]
-        self.clean_steps = 0  # steps without overflow since the scale last changed
+        self.clean_steps = 0  # steps without overflow since the last overflow (or the start)
         self.grace = policy.hysteresis  # overflows still tolerated before the scale drops
 
     def update(self, overflow: bool) -> None:
@@ -53,13 +57,12 @@ class LossScaler:
                 )
             self.scale = max(self.scale / 2.0, self.policy.min_scale)
             return
-        self.clean_steps += 1
         if self.policy.consecutive_hysteresis:
             self.grace = self.policy.hysteresis
-        if self.clean_steps >= self.policy.window:
+        if self.clean_steps > 0 and self.clean_steps % self.policy.window == 0:
             self.scale *= 2.0
-            self.clean_steps = 0
             self.grace = self.policy.hysteresis
+        self.clean_steps += 1
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue scaling exactly where it stopped."""
