@@ -1,7 +1,9 @@
 """Every real DeepSpeed config in ../shared/peer-configs either trains as written or fails with
 a clear message naming the key (unknown key, "auto" to fill in, template placeholder, or a
 feature not implemented yet). The expected outcome of each file is pinned here, so a
-regression in either direction shows up."""
+regression in either direction shows up. The configs with "auto" values are written for
+the Hugging Face Trainer, and train through ZeroTrainTrainer
+(tests/integrations/test_transformers_auto_configs.py)."""
 
 from __future__ import annotations
 

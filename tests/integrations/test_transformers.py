@@ -131,5 +131,7 @@ def test_config_values_that_disagree_with_training_arguments_are_refused(tmp_pat
         filled_config({"train_batch_size": 8}, args)
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 disagrees"):
         filled_config({"gradient_accumulation_steps": 4}, args)
-    with pytest.raises(ValueError, match=r"'optimizer' section"):
-        filled_config({"optimizer": {"type": "Adam"}}, args)
+    with pytest.raises(ValueError, match=r"optimizer.params.lr=0.1 disagrees .*5e-05"):
+        filled_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, args)
+    filled = filled_config({"optimizer": {"type": "AdamW", "params": {"betas": "auto"}}}, args)
+    assert filled["optimizer"]["params"]["betas"] == [args.adam_beta1, args.adam_beta2]

@@ -11,8 +11,14 @@ what DDP (or DeepSpeed) would do, and nothing is done twice:
 
 * the config's batch, accumulation, clipping and precision keys are filled from
   ``TrainingArguments`` where they are ``"auto"`` or missing, and must agree with them
-  otherwise; the Trainer's optimizer and schedule are used (a config ``optimizer`` or
-  ``scheduler`` section is refused);
+  otherwise; without ``optimizer`` / ``scheduler`` sections the Trainer's optimizer and
+  schedule are used; with them the engine builds both from the config, their ``"auto"``
+  values filled as transformers' DeepSpeed integration fills them (``lr``, ``betas``,
+  ``eps``, ``weight_decay`` from the arguments; ``warmup_min_lr`` 0, ``warmup_max_lr`` the
+  learning rate, ``warmup_num_steps`` and ``total_num_steps`` from the run's length), and
+  the Trainer's schedule is the engine's (stepped once, by the engine); ``"auto"`` bucket
+  sizes come from the model's ``hidden_size`` (``reduce_bucket_size`` hidden², stage 3's
+  prefetch 0.9 hidden², persistence threshold 10 hidden);
 * the Trainer decides the accumulation windows (a short last window at an epoch's end
   included) and divides the loss by the window's length; the engine is told both
   (``set_gradient_accumulation_boundary``, ``backward(scale_wrt_gas=False)``), so the
@@ -36,6 +42,7 @@ import torch
 from transformers import Trainer
 
 import zerotrain
+from zerotrain.config.source import parse_json_text
 from zerotrain.engine.engine import Engine
 from zerotrain.engine.model_export import consolidated_state_dict
 from zerotrain.utils.logging import get_logger
@@ -90,15 +97,21 @@ def filled_config(
     if source is None:
         source = {}
     elif not isinstance(source, dict):
-        source = json.loads(Path(source).read_text())
+        source = parse_json_text(Path(source).read_text(), str(source))
     config: dict[str, Any] = json.loads(json.dumps(source))  # a deep copy
-    for section in ("optimizer", "scheduler"):
-        if section in config:
-            raise ValueError(
-                f"zerotrain_config has an '{section}' section, but the Trainer builds the "
-                f"{section} from TrainingArguments (learning_rate, weight_decay, "
-                "lr_scheduler_type, ...): remove the section"
-            )
+    optimizer = config.get("optimizer", {}).get("params")
+    if isinstance(optimizer, dict):
+        for key, value in {
+            "lr": args.learning_rate,
+            "betas": [args.adam_beta1, args.adam_beta2],
+            "eps": args.adam_epsilon,
+            "weight_decay": args.weight_decay,
+        }.items():
+            _fill(optimizer, key, value, f"optimizer.params.{key}")
+    scheduler = config.get("scheduler", {}).get("params")
+    if isinstance(scheduler, dict):
+        _fill(scheduler, "warmup_min_lr", 0, "scheduler.params.warmup_min_lr")
+        _fill(scheduler, "warmup_max_lr", args.learning_rate, "scheduler.params.warmup_max_lr")
     wanted = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -133,13 +146,85 @@ def filled_config(
     return config
 
 
+def _fill(section: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """Set ``section[key]`` to ``value`` where it is ``"auto"``; a set value that differs
+    is refused, as transformers' DeepSpeed integration refuses it."""
+    given = section.get(key)
+    if given == "auto":
+        section[key] = value
+    elif (
+        key in section and given != value and not (isinstance(given, list) and list(value) == given)
+    ):
+        raise ValueError(
+            f"zerotrain_config {where}={given!r} disagrees with TrainingArguments ({value!r}); "
+            'set it to "auto" or to the same value'
+        )
+
+
+def finalized_config(config: dict[str, Any], args: Any, model: Any, steps: int) -> dict[str, Any]:
+    """``config`` (from :func:`filled_config`) with the ``"auto"`` values that need the run's
+    length (``steps`` optimizer steps) and the model: the schedule's warm-up and total
+    steps, and bucket sizes from the model's ``hidden_size``."""
+    config = json.loads(json.dumps(config))
+    scheduler = config.get("scheduler", {}).get("params")
+    if isinstance(scheduler, dict):
+        _fill(scheduler, "total_num_steps", steps, "scheduler.params.total_num_steps")
+        warmup = args.get_warmup_steps(steps)
+        _fill(scheduler, "warmup_num_steps", warmup, "scheduler.params.warmup_num_steps")
+    zero = config.get("zero_optimization", {})
+    sizes = {
+        "reduce_bucket_size": lambda h: h * h,
+        "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+        "stage3_param_persistence_threshold": lambda h: 10 * h,
+    }
+    wanted = [key for key in sizes if zero.get(key) == "auto"]
+    if wanted:
+        model_config = getattr(model, "config", None)
+        hidden = getattr(model_config, "hidden_size", None)
+        if hidden is None and getattr(model_config, "hidden_sizes", None):
+            hidden = max(model_config.hidden_sizes)  # type: ignore[union-attr]
+        if hidden is None:
+            raise ValueError(
+                f'zerotrain_config zero_optimization.{wanted[0]} is "auto", which is filled '
+                "from the model config's hidden_size, and this model's config has none: set "
+                "it to a number"
+            )
+        for key in wanted:
+            zero[key] = sizes[key](int(hidden))
+    if zero.get("stage3_gather_16bit_weights_on_model_save") == "auto":
+        zero["stage3_gather_16bit_weights_on_model_save"] = False  # accelerate's default
+    return config
+
+
+class _EngineSchedule:
+    """The Trainer's view of the schedule the engine builds from the config: the engine
+    steps it with each optimizer step, so the Trainer's ``step()`` does nothing."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.scheduler: Any = engine.lr_scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def get_last_lr(self) -> list[float]:
+        return [float(lr) for lr in self.engine.get_lr_of_last_step()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
 class ZeroTrainTrainer(Trainer):
     """A ``transformers.Trainer`` whose training runs through a zerotrain engine.
 
     Args:
-        zerotrain_config: the zerotrain (DeepSpeed-style) config, a dict or a JSON path,
-            without ``optimizer``/``scheduler`` sections; batch, accumulation, clipping and
-            precision come from ``TrainingArguments`` (``"auto"``).
+        zerotrain_config: the zerotrain (DeepSpeed-style) config, a dict or a JSON path;
+            batch, accumulation, clipping and precision come from ``TrainingArguments``
+            (``"auto"``), and so do the ``"auto"`` values of ``optimizer`` and ``scheduler``
+            sections, which the engine then builds.
         *args, **kwargs: as for ``Trainer``.
     """
 
@@ -163,19 +248,29 @@ class ZeroTrainTrainer(Trainer):
             return
         super()._move_model_to_device(model, device)
 
+    def create_optimizer(self, model: Any = None) -> Any:
+        if "optimizer" in self.zerotrain_config:
+            return self.optimizer  # the engine builds it from the config
+        return super().create_optimizer(model)
+
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         if not training:
             return self.engine if self.engine is not None else model
         if self.engine is None:
             if self.optimizer is None:
                 self.create_optimizer()
+            config = finalized_config(
+                self.zerotrain_config, self.args, self.model, self.state.max_steps
+            )
             engine, _, _, _ = zerotrain.initialize(
-                model=self.model, optimizer=self.optimizer, config=self.zerotrain_config
+                model=self.model, optimizer=self.optimizer, config=config
             )
             self.engine = engine
             # The Trainer builds its schedule on this, after wrapping (so over the
             # engine's optimizer, rebuilt over the shards at stages 1-3).
             self.optimizer = _EngineStep(engine)
+            if "scheduler" in config:
+                self.lr_scheduler = _EngineSchedule(engine)  # type: ignore[assignment]
         return self.engine
 
     def training_step(
