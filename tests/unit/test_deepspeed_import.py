@@ -26,6 +26,7 @@ from zerotrain.checkpoint.errors import (
 )
 from zerotrain.config.policies import LossScalePolicy
 from zerotrain.precision.loss_scaler import LossScaler
+from zerotrain.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 FIXTURES = sorted(p.name for p in DATA.iterdir() if p.is_dir())
 # The fixture model's param groups, as the loading job lists them (stage 0 needs them).
@@ -54,6 +55,16 @@ def test_weights_equal_deepspeeds_own_fp32_consolidation(fixture: str) -> None:
     assert imported.global_steps == 3
     assert imported.scheduler == {"last_batch_iteration": 2}
     assert imported.optimizer_type == "Adam"
+
+
+@pytest.mark.parametrize("fixture", ["stage0_fp32", "stage3_bf16", UNIVERSAL])
+def test_zero_to_fp32_reads_deepspeed_checkpoints(fixture: str) -> None:
+    """zerotrain's zero_to_fp32 on DeepSpeed's own checkpoints: DeepSpeed's result."""
+    ours = get_fp32_state_dict_from_zero_checkpoint(DATA / fixture)
+    reference = torch.load(DATA / fixture / "fp32_reference.pt")
+    assert set(ours) == set(reference)  # ours in the module's order, DeepSpeed's by group
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -208,7 +208,8 @@ def read_deepspeed_checkpoint(
     """Read DeepSpeed checkpoint ``tag`` under ``load_dir`` (or the one ``latest`` /
     ``latest_universal`` names; ``load_dir`` may be the tag directory itself).
     ``group_names`` gives the parameter names of each of the loading job's param groups, in
-    order: stage-0 checkpoints need it to name their optimizer states."""
+    order: stage-0 checkpoints need it to name their optimizer states (without it, their
+    weights are read and their optimizer states left out)."""
     path = _tag_dir(load_dir, tag)
     if path is None:
         raise CheckpointNotFoundError(f"{load_dir} holds no DeepSpeed checkpoint")
@@ -445,15 +446,15 @@ def _read_stage0(
     built = _Builder()
     scalars: dict[str, dict[str, tuple[float, torch.dtype | None]]] = {}
     groups: list[dict[str, Any]] = []
-    if isinstance(optimizer, Mapping) and "param_groups" in optimizer:
+    if isinstance(optimizer, Mapping) and "param_groups" in optimizer and group_names:
         groups = list(optimizer["param_groups"])
-        names = group_names() if group_names is not None else None
-        if names is None or len(names) != len(groups):
+        names = group_names()
+        if len(names) != len(groups):
             raise IncompatibleCheckpointError(
                 f"{path}: a DeepSpeed checkpoint without ZeRO names no parameters in its "
                 f"optimizer state ({len(groups)} param group(s)); zerotrain matches them by "
                 f"position within the job's own param groups, and this job has "
-                f"{'none' if names is None else len(names)}. Load with "
+                f"{len(names)}. Load with "
                 "load_optimizer_states=False to take the weights only"
             )
         for g, (group, ours) in enumerate(zip(groups, names, strict=True)):

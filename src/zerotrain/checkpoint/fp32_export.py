@@ -38,6 +38,11 @@ from typing import Literal, overload
 
 import torch
 
+from zerotrain.checkpoint.deepspeed_import import (
+    is_deepspeed_checkpoint,
+    read_deepspeed_checkpoint,
+)
+from zerotrain.checkpoint.deepspeed_reader import ImportedReader
 from zerotrain.checkpoint.directory import LATEST
 from zerotrain.checkpoint.dtype_names import dtype_from_name
 from zerotrain.checkpoint.errors import (
@@ -92,21 +97,25 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> 
     ``checkpoint_dir`` may also be one checkpoint). A DeepSpeed checkpoint, or a directory
     that holds no checkpoint at all, is refused with a message saying what it is."""
     root = Path(checkpoint_dir)
+    if is_deepspeed_checkpoint(root, tag):
+        # DeepSpeed's own layout: its weights, read as engine.load_checkpoint reads them.
+        reader: CheckpointReader = ImportedReader(read_deepspeed_checkpoint(root, tag))
+        log.info(
+            "DeepSpeed checkpoint %s: ZeRO stage %d, %d ranks, step %d",
+            reader.path,
+            reader.manifest.stage,
+            reader.manifest.world_size,
+            reader.manifest.global_steps,
+        )
+        return reader
     try:
         reader = CheckpointReader.open(root, tag)
     except CheckpointError as exc:
         if root.is_dir() and (foreign := _deepspeed_files(root)):
-            # DeepSpeed saves its script beside the tag directories.
-            top, tag_arg = (
-                (root.parent, f" -t {root.name}") if foreign[0].parent == root else (root, "")
-            )
             raise IncompatibleCheckpointError(
-                f"{root} is a DeepSpeed checkpoint ({foreign[0].relative_to(root)}); zerotrain "
-                f"reads its own format ({MANIFEST} + rankNNNNN.safetensors, written by "
-                "engine.save_checkpoint). Convert it with the script DeepSpeed saved with it: "
-                f"`python {top / 'zero_to_fp32.py'} {top} OUT_DIR{tag_arg}` (needs deepspeed "
-                "installed), then load OUT_DIR's weights into the model before "
-                "zerotrain.initialize (the optimizer states do not carry over)"
+                f"{root} holds DeepSpeed files ({foreign[0].relative_to(root)}) but no "
+                "checkpoint zerotrain can read: pass the directory DeepSpeed saved into (with "
+                "its 'latest'), or one tag directory"
             ) from exc
         nothing = tag is None and root.is_dir() and not _looks_like_zerotrain(root)
         if isinstance(exc, CheckpointNotFoundError) and nothing:
