@@ -21,6 +21,8 @@ DISTRIBUTED_ALLOWED = {
     "testing/isolation.py": "checks, between pooled tests, what a test left in the process groups",
     "cli/bootstrap.py": "torchrun's error recorder around the user's script",
     "cli/run.py": "the launcher runs torchrun itself",
+    "checkpoint/dcp_export.py": "writes torch.distributed.checkpoint files (a file format: "
+    "no process group)",
 }
 
 # What a plain-torch feature package (no engine, no process group, no config) never imports.

@@ -150,13 +150,15 @@ def _model_states(
     if manifest.client_state is not None:
         loaded = torch.load(reader.path / manifest.client_state, weights_only=True)
         client = loaded if isinstance(loaded, dict) else {"client_state": loaded}
-    shapes = {n: torch.Size(manifest.tensors[n].shape) for n in trainable}
+    members = manifest.optimizer.members if manifest.optimizer is not None else None
+    groups = [g for g in members or [trainable] if g]
+    shapes = [{n: torch.Size(manifest.tensors[n].shape) for n in group} for group in groups]
     return {
         **client,  # DeepSpeed keeps the client state at the top level
         "module": dict(buffers),  # universal loading takes the weights from zero/
         "buffer_names": list(buffers),
         "optimizer": None,
-        "param_shapes": [shapes],
+        "param_shapes": shapes,  # by param group, as DeepSpeed writes them
         "frozen_param_shapes": {},
         "shared_params": dict(manifest.aliases),
         "frozen_param_fragments": {},

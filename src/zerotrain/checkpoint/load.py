@@ -11,6 +11,7 @@ every rank raises if any is bad.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -349,19 +350,6 @@ def _load_client_state(path: Path, manifest: Manifest) -> Any:
         raise CorruptCheckpointError(f"{file}: cannot be loaded ({exc})") from exc
 
 
-def _group_names(state: TrainState) -> list[list[str]]:
-    """The parameter names of each of the job's optimizer groups, in the model's order."""
-    names_by_id = regions.canonical_names(state.module)
-    order = {name: i for i, name in enumerate(names_by_id.values())}
-    groups: dict[int, list[str]] = {}
-    for unit in state.sharded.units:
-        for param, group in zip(unit.buffer.params, unit.groups, strict=True):
-            if group is not None:
-                groups.setdefault(group, []).append(names_by_id[id(param)])
-    count = len(state.optimizer.param_groups) if state.optimizer is not None else 0
-    return [sorted(groups.get(g, []), key=order.__getitem__) for g in range(count)]
-
-
 def _open_verified(
     state: TrainState, load_dir: str | os.PathLike[str], tag: str | None
 ) -> CheckpointReader:
@@ -374,8 +362,9 @@ def _open_verified(
     reader: CheckpointReader | None = None
     try:
         if is_deepspeed_checkpoint(Path(load_dir), tag):
-            imported = read_deepspeed_checkpoint(Path(load_dir), tag, lambda: _group_names(state))
-            reader = ImportedReader(imported)  # every file was read whole
+            members = functools.partial(regions.group_members, state)
+            # No checksums to verify: DeepSpeed writes none (its files' structure is checked).
+            reader = ImportedReader(read_deepspeed_checkpoint(Path(load_dir), tag, members))
         else:
             reader = CheckpointReader(*locate(load_dir, tag))
             files = sorted(reader.manifest.files)

@@ -125,6 +125,8 @@ class OptimizerInfo(_Model):
     type: str
     groups: list[dict[str, Any]]
     scalars: list[SlotScalars]
+    # The parameter names of each group, in the model's order (None: saved before 2026-11-29).
+    members: list[list[str]] | None = None
 
 
 class Manifest(_Model):

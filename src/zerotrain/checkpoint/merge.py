@@ -47,9 +47,11 @@ def write_index(
     tensors: dict[str, Any],
     aliases: dict[str, str],
     local: dict[str, Any] | None = None,
+    members: list[list[str]] | None = None,
 ) -> None:
     """Write global rank ``rank``'s index into the checkpoint being saved (``local``: its
-    rank-local optimizer state's fingerprint and keys, ``checkpoint/rank_local.py``)."""
+    rank-local optimizer state's fingerprint and keys, ``checkpoint/rank_local.py``;
+    ``members``: the parameters of each optimizer group it holds)."""
     index = {
         "rank": rank,
         "file": plan.file,
@@ -61,6 +63,7 @@ def write_index(
         "local": local,
         "tensors": tensors,
         "aliases": aliases,
+        "members": members,
     }
     write_json_atomically(partial / index_file(rank), index)
 
@@ -113,6 +116,7 @@ def merge_indexes(state: TrainState, partial: Path, tag: str, has_client_state: 
     aliases: dict[str, Any] = {}
     owners: dict[str, int] = {}
     alias_owners: dict[str, int] = {}
+    members: list[list[str]] = []
     for rank in range(topology.world_size):
         path = partial / index_file(rank)
         index = json.loads(path.read_text())
@@ -126,6 +130,10 @@ def merge_indexes(state: TrainState, partial: Path, tag: str, has_client_state: 
         local_states.append(index.get("local"))
         _union(tensors, index["tensors"], owners, rank, "tensor")
         _union(aliases, index["aliases"], alias_owners, rank, "alias")
+        for group, names in enumerate(index.get("members") or []):
+            while len(members) <= group:
+                members.append([])
+            members[group] += [n for n in names if n not in members[group]]
     if has_client_state:
         client = partial / CLIENT_STATE
         info = FileInfo(bytes=client.stat().st_size, crc32=file_crc32(client))
@@ -169,6 +177,7 @@ def merge_indexes(state: TrainState, partial: Path, tag: str, has_client_state: 
                 for i, g in enumerate(optimizer.param_groups)
             ],
             "scalars": scalars,
+            "members": members,
         },
         "scheduler": to_json(state.lr_scheduler.state_dict(), "the lr scheduler's state")
         if state.lr_scheduler is not None

@@ -157,3 +157,17 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for name, value in model.state_dict(keep_vars=True).items()
         if id(value) not in params and isinstance(value, torch.Tensor)
     ]
+
+
+def group_members(state: TrainState) -> list[list[str]]:
+    """The names of the parameters in each of the optimizer's param groups that this rank
+    holds, in the model's order (a pipeline stage holds its own layers' only)."""
+    names_by_id = canonical_names(state.module)
+    order = {name: i for i, name in enumerate(names_by_id.values())}
+    groups: dict[int, list[str]] = {}
+    for unit in state.sharded.units:
+        for param, group in zip(unit.buffer.params, unit.groups, strict=True):
+            if group is not None:
+                groups.setdefault(group, []).append(names_by_id[id(param)])
+    count = len(state.optimizer.param_groups) if state.optimizer is not None else 0
+    return [sorted(groups.get(g, []), key=order.__getitem__) for g in range(count)]

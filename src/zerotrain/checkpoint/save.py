@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from zerotrain.checkpoint import rank_local, rng
+from zerotrain.checkpoint import rank_local, regions, rng
 from zerotrain.checkpoint.directory import (
     check_tag,
     old_dir,
@@ -200,7 +200,16 @@ def _write_rank(state: TrainState, partial: Path) -> None:
                 raise _no_space(exc, partial, needed) from exc
             raise
     write_index(
-        partial, placement.global_rank, plan, size, crc, rng_state, tensors, aliases, local_entry
+        partial,
+        placement.global_rank,
+        plan,
+        size,
+        crc,
+        rng_state,
+        tensors,
+        aliases,
+        local_entry,
+        regions.group_members(state),
     )
 
 

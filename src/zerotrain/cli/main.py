@@ -1,6 +1,6 @@
 """The ``zerotrain`` command: ``run`` launches a job, ``demo`` trains the example GPT,
 ``consolidate`` turns a sharded checkpoint into one safetensors file, ``convert`` writes it
-as a DeepSpeed universal checkpoint, ``estimate`` predicts
+as a DeepSpeed universal or a torch DCP checkpoint, ``estimate`` predicts
 per-rank memory of a ZeRO configuration, ``lr-find`` runs an LR range test on a script,
 ``elastic-plan`` prints the batch plan of an ``elasticity`` config."""
 
@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     convert_cmd.add_convert_arguments(
-        sub.add_parser("convert", help="write a checkpoint as a DeepSpeed universal checkpoint")
+        sub.add_parser(
+            "convert", help="write a checkpoint as a DeepSpeed universal or a torch DCP one"
+        )
     )
     estimate_cmd.add_estimate_arguments(
         sub.add_parser(
