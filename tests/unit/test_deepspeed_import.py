@@ -178,3 +178,23 @@ def test_dynamic_loss_scale_resumes_deepspeeds_cadence() -> None:
         ours.update(overflow=False)
         scales.append(ours.scale)
     assert scales == [1024.0, 1024.0, 2048.0]
+
+
+def test_a_stage0_optimizer_wrapper_is_refused_unless_only_weights_are_wanted(
+    tmp_path: Path,
+) -> None:
+    """DeepSpeed's fp16/bf16 optimizer without ZeRO saves its own wrapper's state, which
+    zerotrain does not read: refused by name, not dropped; the weights still load alone."""
+    root = _copy("stage0_fp32", tmp_path)
+    file = root / "global_step3" / "mp_rank_00_model_states.pt"
+    saved = torch.load(file, weights_only=True)
+    saved["optimizer"] = {"cur_scale": 1024.0, "fp32_groups_flat": [torch.zeros(3)]}
+    torch.save(saved, file)
+    with pytest.raises(IncompatibleCheckpointError, match="load_optimizer_states=False"):
+        _read(root)
+    weights_only = read_deepspeed_checkpoint(root, None, None)
+    assert weights_only.optimizer_type is None
+    reference = torch.load(DATA / "stage0_fp32" / "fp32_reference.pt")
+    torch.testing.assert_close(
+        weights_only.whole("master", "head.weight"), reference["head.weight"]
+    )

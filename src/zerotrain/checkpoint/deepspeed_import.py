@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoints read into whole tensors by parameter name.
+"""DeepSpeed checkpoints described as pieces of whole tensors, by parameter name.
 
 A DeepSpeed ZeRO checkpoint (``SAVE_DIR/TAG/``) holds one model-states file
 (``mp_rank_00_model_states.pt``; at stage 3 one per rank, ``zero_pp_rank_R_mp_rank_00_...``)
@@ -20,8 +20,8 @@ A universal checkpoint (``ds_to_universal`` output, found through ``latest_unive
 holds each parameter whole: ``zero/NAME/fp32.pt``, one file per optimizer state and
 ``step.pt``, beside a model-states file.
 
-Every rank reads the whole checkpoint (the full model and optimizer in fp32, once, in host
-memory); a model too large for that is converted once with ``zerotrain convert-deepspeed``.
+Nothing is copied here: each piece points into a partition as DeepSpeed saved it (the
+files memory-mapped), and a loading rank copies only the elements it keeps.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from zerotrain.checkpoint.errors import (
 MODEL_STATES = "mp_rank_00_model_states.pt"
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
-_STAGE3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 _OPTIM = re.compile(r"(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 _OTHER_LAYOUTS = ("mp_rank_01_model_states.pt", "layer_*-model_states.pt")
 # What DeepSpeed's load_checkpoint keeps from the model-states file; the rest is returned to
@@ -95,7 +94,7 @@ def _tag_dir(load_dir: Path, tag: str | None, *, quiet: bool = False) -> Path | 
     if _is_ds_dir(load_dir) and tag is None:
         return load_dir
     if tag is None:
-        for pointer in (LATEST_UNIVERSAL, LATEST):
+        for pointer in (LATEST, LATEST_UNIVERSAL):  # DeepSpeed's engine reads `latest` too
             file = load_dir / pointer
             if file.is_file():
                 tag = file.read_text().strip()
@@ -446,6 +445,13 @@ def _read_stage0(
     built = _Builder()
     scalars: dict[str, dict[str, tuple[float, torch.dtype | None]]] = {}
     groups: list[dict[str, Any]] = []
+    if isinstance(optimizer, Mapping) and "param_groups" not in optimizer and group_names:
+        raise IncompatibleCheckpointError(
+            f"{path}: its optimizer state (keys {sorted(optimizer)[:6]}) is a DeepSpeed "
+            "wrapper zerotrain does not read without ZeRO (fp16 or bf16 at stage 0); load with "
+            "load_optimizer_states=False to take the weights, or convert it with DeepSpeed's "
+            "ds_to_universal"
+        )
     if isinstance(optimizer, Mapping) and "param_groups" in optimizer and group_names:
         groups = list(optimizer["param_groups"])
         names = group_names()

@@ -351,7 +351,7 @@ def _load_client_state(path: Path, manifest: Manifest) -> Any:
 
 
 def _open_verified(
-    state: TrainState, load_dir: str | os.PathLike[str], tag: str | None
+    state: TrainState, load_dir: str | os.PathLike[str], tag: str | None, optimizer: bool
 ) -> CheckpointReader:
     """The checkpoint, its manifest verified on every rank and its files split among the
     ranks of the job; every rank raises if any check failed anywhere."""
@@ -362,7 +362,8 @@ def _open_verified(
     reader: CheckpointReader | None = None
     try:
         if is_deepspeed_checkpoint(Path(load_dir), tag):
-            members = functools.partial(regions.group_members, state)
+            # DeepSpeed without ZeRO names its optimizer states by position in the groups.
+            members = functools.partial(regions.group_members, state) if optimizer else None
             # No checksums to verify: DeepSpeed writes none (its files' structure is checked).
             reader = ImportedReader(read_deepspeed_checkpoint(Path(load_dir), tag, members))
         else:
@@ -399,7 +400,7 @@ def load_checkpoint(
         IncompatibleCheckpointError: a different model or optimizer.
     """
     state.check_can_load()
-    reader = _open_verified(state, load_dir, tag)
+    reader = _open_verified(state, load_dir, tag, load_optimizer_states and not load_module_only)
     manifest = reader.manifest
     report = _match_model(state, manifest, reader.path, strict)
     try:
