@@ -12,10 +12,12 @@ STAMP := $(VENV)/.zerotrain-installed
 
 .PHONY: demo test lint format venv clean bench
 
+# --no-compile: Python byte-compiles each module when it is first imported instead of pip
+# compiling every file installed (torch and the integrations' libraries: 50 s of CI's venv).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_ARGS)
-	$(BIN)/pip install --quiet -e '.[dev,demo]'
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(BIN)/pip install --quiet --no-compile -e '.[dev,demo]'
 	touch $(STAMP)
 
 venv: $(STAMP)

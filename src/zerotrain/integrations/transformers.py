@@ -217,7 +217,9 @@ class _EngineSchedule:
         self.scheduler.load_state_dict(state)
 
 
-class ZeroTrainTrainer(Trainer):
+# transformers is not type-checked (pyproject.toml: reading it took half of a cold mypy run),
+# so Trainer is Any here and the attributes this class sets are declared below.
+class ZeroTrainTrainer(Trainer):  # type: ignore[misc]
     """A ``transformers.Trainer`` whose training runs through a zerotrain engine.
 
     Args:
@@ -227,6 +229,10 @@ class ZeroTrainTrainer(Trainer):
             sections, which the engine then builds.
         *args, **kwargs: as for ``Trainer``.
     """
+
+    optimizer: Any
+    lr_scheduler: Any
+    model_wrapped: Any
 
     def __init__(
         self,
@@ -270,7 +276,7 @@ class ZeroTrainTrainer(Trainer):
             # engine's optimizer, rebuilt over the shards at stages 1-3).
             self.optimizer = _EngineStep(engine)
             if "scheduler" in config:
-                self.lr_scheduler = _EngineSchedule(engine)  # type: ignore[assignment]
+                self.lr_scheduler = _EngineSchedule(engine)
         return self.engine
 
     def training_step(
@@ -360,4 +366,4 @@ class ZeroTrainTrainer(Trainer):
                 self.engine = None
                 self.optimizer = None
                 self.lr_scheduler = None
-                self.model_wrapped = self.model  # type: ignore[assignment]
+                self.model_wrapped = self.model

@@ -193,6 +193,15 @@ def kill(procs: Sequence[BaseProcess], sweep: bool = True) -> None:
         shm.remove_segments_of({p.pid for p in started if p.pid is not None and not p.is_alive()})
 
 
+#: The collective timeout of a job that names none (capped at half the job's length).
+DEFAULT_COMM_TIMEOUT_S = 60.0
+
+
+def default_comm_timeout(timeout: float) -> float:
+    """The collective timeout of a job of ``timeout`` seconds that names none."""
+    return min(DEFAULT_COMM_TIMEOUT_S, timeout / 2)
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -220,8 +229,10 @@ def run_distributed(
         world_size: number of processes.
         timeout: seconds for the whole job.
         comm_timeout: seconds a collective may wait inside the job (the process group's
-            timeout and ``ZEROTRAIN_COMM_TIMEOUT``); default half of ``timeout``, so a
-            stuck collective fails with zerotrain's own error before the job is killed.
+            timeout and ``ZEROTRAIN_COMM_TIMEOUT``); default ``DEFAULT_COMM_TIMEOUT_S``, or
+            half of ``timeout`` when that is shorter, so a stuck collective fails with
+            zerotrain's own error before the job is killed. Pools are kept per world size
+            and collective timeout: one default lets jobs of any length share a pool.
         env: extra environment variables for the ranks.
         own_processes: why this job needs ranks of its own, started for it and ended after
             it (a process-wide setting read at start, a count of the process's threads or
@@ -235,7 +246,7 @@ def run_distributed(
             job did not finish within ``timeout``; in a pool also: a rank left something
             behind that the next test would meet (each finding named).
     """
-    comm_timeout = comm_timeout if comm_timeout is not None else timeout / 2
+    comm_timeout = comm_timeout if comm_timeout is not None else default_comm_timeout(timeout)
     env = env or {}
     name = job_name(fn)
     pooled = _use_pools and own_processes is None and env.get("ZEROTRAIN_DEVICE", "cpu") == "cpu"
