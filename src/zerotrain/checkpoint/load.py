@@ -6,7 +6,8 @@ stage 0), by parameter name and region of the global tensor: the intersection of
 fragment with the wanted region (``checkpoint/boxes.py``). Stages 1-2 then all-gather
 parameters as after an optimizer step. The manifest (and ``latest``) are verified by every
 rank, the other files (size, CRC-32) by a share of the ranks each, before anything is read;
-every rank raises if any is bad.
+every rank raises if any is bad. A DeepSpeed checkpoint is read through the same steps, its
+files described as an in-memory manifest (``deepspeed_import.py``, ``deepspeed_reader.py``).
 """
 
 from __future__ import annotations
