@@ -12,10 +12,8 @@ losses equal zerotrain's within 1e-6.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,7 +22,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import zerotrain
-from tests.helpers.deepspeed_fixtures import AFTER, GLOBAL_BATCH, SAVED, TinyNet, batch, groups
+from tests.helpers.deepspeed_fixtures import (
+    AFTER,
+    GLOBAL_BATCH,
+    SAVED,
+    TinyNet,
+    batch,
+    groups,
+    train_steps,
+)
 from zerotrain.cli.main import main as zerotrain_cli
 from zerotrain.testing.dist import run_distributed
 
@@ -37,28 +43,13 @@ CONFIG = {
 }
 
 
-def _train(engine: Any, steps: range) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per = GLOBAL_BATCH // world
-    losses = []
-    for step in steps:
-        x, y = batch(step)
-        loss = engine(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
-
-
 def _zerotrain(save_dir: str) -> list[float]:
     torch.manual_seed(0)
     model = TinyNet()
     engine, *_ = zerotrain.initialize(model=model, model_parameters=groups(model), config=CONFIG)
-    _train(engine, range(SAVED))
+    train_steps(engine, range(SAVED), "fp32")
     engine.save_checkpoint(save_dir)
-    losses = _train(engine, range(SAVED, SAVED + AFTER))
+    losses = train_steps(engine, range(SAVED, SAVED + AFTER), "fp32")
     engine.destroy()
     return losses
 

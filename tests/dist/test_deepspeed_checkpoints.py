@@ -29,14 +29,13 @@ import zerotrain
 from tests.helpers.deepspeed_fixtures import (
     AFTER,
     DATA,
-    DTYPES,
     GLOBAL_BATCH,
     SAVED,
     UNIVERSAL,
     TinyNet,
-    batch,
     config,
     groups,
+    train_steps,
 )
 from zerotrain.testing.dist import run_distributed
 
@@ -71,7 +70,7 @@ def _expected(fixture: str) -> dict[str, Any]:
 
 
 def _continue(fixture: str, stage: int) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     expected = _expected(fixture)
     cfg = config(stage, expected["precision"])
     cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // world
@@ -90,18 +89,7 @@ def _continue(fixture: str, stage: int) -> dict[str, Any]:
     }
     with zerotrain.zero.GatheredParameters(list(engine.module.parameters())):
         seen["weights"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    dtype = DTYPES[expected["precision"]]
-    per = GLOBAL_BATCH // world
-    losses = []
-    for step in range(SAVED, SAVED + AFTER):
-        x, y = batch(step)
-        loss = engine(x[rank * per : (rank + 1) * per].to(dtype), y[rank * per : (rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    seen["losses"] = losses
+    seen["losses"] = train_steps(engine, range(SAVED, SAVED + AFTER), expected["precision"])
     seen["lr"] = engine.get_lr()
     seen["loss_scale"] = engine.loss_scaler.scale if engine.loss_scaler is not None else None
     engine.destroy()

@@ -26,17 +26,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerotrain
 from tests.helpers.deepspeed_fixtures import (
     AFTER,
     DATA,
-    GLOBAL_BATCH,
     TinyNet,
-    batch,
     config,
     groups,
+    train_steps,
 )
 from zerotrain.checkpoint.deepspeed_export import export_deepspeed_universal
 from zerotrain.cli.main import main as zerotrain_cli
@@ -58,19 +56,7 @@ def _precision(fixture: str) -> str:
 
 
 def _train(engine: Any, start: int, precision: str) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    per = GLOBAL_BATCH // world
-    losses = []
-    for step in range(start, start + AFTER):
-        x, y = batch(step)
-        loss = engine(x[rank * per : (rank + 1) * per].to(dtype), y[rank * per : (rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return train_steps(engine, range(start, start + AFTER), precision)
 
 
 def _engine(stage: int, precision: str, seed: int) -> Any:

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -132,43 +133,55 @@ def groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def worker(rank: int, name: str, stage: int, precision: str, out: str) -> None:
+def train_steps(engine: Any, steps: Iterable[int], precision: str) -> list[float]:
+    """Train ``engine`` (DeepSpeed's or zerotrain's) on the global batches of ``steps``, each
+    rank on its slice; returns each step's loss over the global batch."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        part = slice(rank * per, (rank + 1) * per)
+        loss = engine(x[part].to(DTYPES[precision]), y[part])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _deepspeed_rank(rank: int, port: int) -> Any:
+    """Become rank ``rank`` of a DeepSpeed job of ``WORLD`` ranks; returns ``deepspeed``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29517",
+        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(WORLD),
     )
     torch.set_num_threads(1)
     import deepspeed  # type: ignore[import-not-found]
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    allow_fp16_on_cpu()
+    return deepspeed
+
+
+def worker(rank: int, name: str, stage: int, precision: str, out: str) -> None:
+    deepspeed = _deepspeed_rank(rank, 29517)
     from deepspeed.utils.zero_to_fp32 import (  # type: ignore[import-not-found]
         get_fp32_state_dict_from_zero_checkpoint,
     )
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    allow_fp16_on_cpu()
     torch.manual_seed(0)
     model = TinyNet()
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=groups(model), config=config(stage, precision)
     )
-    dtype = DTYPES[precision]
-    per = GLOBAL_BATCH // WORLD
-
-    def step(i: int) -> float:
-        x, y = batch(i)
-        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        loss = engine(x.to(dtype), y)
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        torch.distributed.all_reduce(total)
-        return total.item() / WORLD
-
-    before = [step(i) for i in range(SAVED)]
+    before = train_steps(engine, range(SAVED), precision)
     engine.save_checkpoint(out, client_state={"epoch": 2, "note": "from DeepSpeed"})
-    after = [step(i) for i in range(SAVED, SAVED + AFTER)]
+    after = train_steps(engine, range(SAVED, SAVED + AFTER), precision)
     torch.distributed.barrier()
     if rank == 0:
         if stage == 0:  # no ZeRO partitions: the module's own states are the fp32 weights
@@ -233,35 +246,14 @@ def main() -> None:
 
 def continue_worker(rank: int, path: str, stage: int, precision: str, out: str) -> None:
     """DeepSpeed loads universal checkpoint ``path`` and trains the steps after it."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29518",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-    )
-    torch.set_num_threads(1)
-    import deepspeed  # type: ignore[import-not-found]
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    allow_fp16_on_cpu()
+    deepspeed = _deepspeed_rank(rank, 29518)
     torch.manual_seed(99)  # other weights: the load must replace them
     model = TinyNet()
     cfg = config(stage, precision) | {"checkpoint": {"load_universal": True}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups(model), config=cfg)
     _, client = engine.load_checkpoint(path)
-    dtype = DTYPES[precision]
-    per = GLOBAL_BATCH // WORLD
     steps = engine.global_steps
-    losses = []
-    for i in range(steps, steps + AFTER):
-        x, y = batch(i)
-        loss = engine(x[rank * per : (rank + 1) * per].to(dtype), y[rank * per : (rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / WORLD)
+    losses = train_steps(engine, range(steps, steps + AFTER), precision)
     if rank == 0:
         result = {
             "loaded_steps": steps,
