@@ -14,6 +14,7 @@ planner reads each tensor from the checkpoint when the writer asks for it.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from zerotrain.checkpoint.errors import IncompatibleCheckpointError
+from zerotrain.checkpoint.manifest import scalar_by_name
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.utils.logging import get_logger
 
@@ -114,23 +116,14 @@ def _optimizer(reader: CheckpointReader, lazy: Any) -> dict[str, Any]:
         members = [trainable]
     flat: dict[str, Any] = {}
     states = sorted(k for k in reader.kinds() if k.startswith("optim."))
-    steps: dict[str, float] = {}
-    for slot in info.scalars:
-        for place in slot.spans:
-            if "step" in slot.values:
-                steps.setdefault(place.name, slot.values["step"].value)
+    steps = scalar_by_name(info, "step")
     for name in trainable:
         shape = manifest.tensors[name].shape
         numel = math.prod(shape)
         for kind in states:
             if reader.covers(kind, name, 0, numel):
-
-                def fetch(k: str = kind, n: str = name, s: tuple[int, ...] = shape) -> torch.Tensor:
-                    out = torch.empty(math.prod(s), dtype=torch.float32)
-                    reader.read_into(k, n, 0, out)
-                    return out.view(s)
-
-                key = f"{kind.removeprefix('optim.')}"
+                key = kind.removeprefix("optim.")
+                fetch = functools.partial(reader.stored_tensor, kind, name, torch.float32)
                 flat[f"state.{name}.{key}"] = lazy(
                     f"optimizer.state.{name}.{key}", shape, torch.float32, fetch
                 )

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from zerotrain.checkpoint.deepspeed_import import GROUP_SETTINGS
 from zerotrain.checkpoint.errors import IncompatibleCheckpointError
-from zerotrain.checkpoint.manifest import Manifest, write_text_atomically
+from zerotrain.checkpoint.manifest import scalar_by_name, write_text_atomically
 from zerotrain.checkpoint.reader import CheckpointReader
 from zerotrain.utils.logging import get_logger
 
@@ -32,21 +33,6 @@ log = get_logger(__name__)
 #: The DeepSpeed version whose layout is written (its loaders check the field).
 DEEPSPEED_LAYOUT_VERSION = "0.19.8"
 _MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-_GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")
-
-
-def _steps(manifest: Manifest) -> dict[str, float]:
-    """Adam's step count by parameter name (the value saved for the most elements)."""
-    steps: dict[str, tuple[int, float]] = {}
-    for slot in manifest.optimizer.scalars if manifest.optimizer is not None else []:
-        step = slot.values.get("step")
-        if step is None:
-            continue
-        for place in slot.spans:
-            covered = place.hi - place.lo
-            if covered > steps.get(place.name, (0, 0.0))[0]:
-                steps[place.name] = (covered, step.value)
-    return {name: value for name, (_, value) in steps.items()}
 
 
 def _save(value: Any, path: Path) -> None:
@@ -89,7 +75,7 @@ def export_deepspeed_universal(
     target = root / out_tag
     (target / "zero").mkdir(parents=True, exist_ok=True)
     states = sorted(k.removeprefix("optim.") for k in reader.kinds() if k.startswith("optim."))
-    steps = _steps(manifest)
+    steps = scalar_by_name(manifest.optimizer, "step")
     trainable = [n for n, t in manifest.tensors.items() if t.kind == "param" and t.trainable]
     for name in trainable:
         folder = target / "zero" / name
@@ -99,9 +85,8 @@ def export_deepspeed_universal(
         for state in states:
             if not reader.covers(f"optim.{state}", name, 0, math.prod(shape)):
                 continue
-            value = torch.empty(math.prod(shape), dtype=torch.float32)
-            reader.read_into(f"optim.{state}", name, 0, value)
-            _save({"param": value.view(shape), "cat_dim": 0}, folder / f"{state}.pt")
+            value = reader.stored_tensor(f"optim.{state}", name, torch.float32)
+            _save({"param": value, "cat_dim": 0}, folder / f"{state}.pt")
         if name in steps:
             _save(torch.tensor(steps[name], dtype=torch.float32), folder / "step.pt")
     buffers = {n: reader.tensor(n) for n, t in manifest.tensors.items() if t.kind == "buffer"}
@@ -109,7 +94,7 @@ def export_deepspeed_universal(
         (target / "zero" / name).mkdir(exist_ok=True)
         _save({"param": value}, target / "zero" / name / "fp32.pt")
     groups = [
-        {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k in _GROUP_SETTINGS}
+        {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k in GROUP_SETTINGS}
         for g in manifest.optimizer.groups
     ]
     first_step = next(iter(steps.values()), 0.0)

@@ -70,7 +70,7 @@ _OPTIMIZERS = {
 }
 # Param-group settings carried over (the rest of a torch group, such as ``foreach``, is the
 # kernel's choice, not the run's).
-_GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")
+GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")
 
 
 def is_deepspeed_checkpoint(load_dir: Path, tag: str | None) -> bool:
@@ -611,7 +611,7 @@ def _assemble(
         },
         optimizer_type=_optimizer_name(config, state_keys) if state_keys else None,
         optimizer_scalars={n: v for n, v in scalars.items() if n in masters},
-        groups=[{k: g[k] for k in _GROUP_SETTINGS if k in g} for g in groups],
+        groups=[{k: g[k] for k in GROUP_SETTINGS if k in g} for g in groups],
         scheduler=model_states.get("lr_scheduler"),
         loss_scaler=_loss_scaler(loss_scaler),
         global_steps=steps,

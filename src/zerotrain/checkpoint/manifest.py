@@ -129,6 +129,21 @@ class OptimizerInfo(_Model):
     members: list[list[str]] | None = None
 
 
+def scalar_by_name(optimizer: OptimizerInfo, key: str) -> dict[str, float]:
+    """Optimizer scalar ``key`` (Adam's ``step``) of each parameter: the value saved for
+    most of its elements (they differ only where some pieces skipped steps unused)."""
+    best: dict[str, tuple[int, float]] = {}
+    for slot in optimizer.scalars:
+        scalar = slot.values.get(key)
+        if scalar is None:
+            continue
+        for place in slot.spans:
+            covered = place.hi - place.lo
+            if covered > best.get(place.name, (0, 0.0))[0]:
+                best[place.name] = (covered, scalar.value)
+    return {name: value for name, (_, value) in best.items()}
+
+
 class Manifest(_Model):
     """Everything about a checkpoint except the tensor data."""
 

@@ -141,15 +141,20 @@ class CheckpointReader:
         """The whole tensor ``name`` (fp32 master values where saved, else as stored)."""
         info = self.manifest.tensors[name]
         kind = info.kind
-        numel = math.prod(info.shape)
-        if kind == "param" and self.covers("master", name, 0, numel):
+        if kind == "param" and self.covers("master", name, 0, math.prod(info.shape)):
             kind = "master"
+        return self.stored_tensor(kind, name, dtype)
+
+    def stored_tensor(self, kind: str, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor ``name`` stored as ``kind`` (``optim.exp_avg``, ...), in
+        ``dtype`` (default: as stored)."""
+        shape = self.manifest.tensors[name].shape
         stored = self.dtype(kind, name)
         if stored is None:
-            raise CorruptCheckpointError(f"{self.path}: no data for '{name}'")
-        out = torch.empty(numel, dtype=dtype or stored)
+            raise CorruptCheckpointError(f"{self.path}: no {kind} data for '{name}'")
+        out = torch.empty(math.prod(shape), dtype=dtype or stored)
         self.read_into(kind, name, 0, out)
-        return out.view(info.shape)
+        return out.view(shape)
 
     def rank_tensor(self, rank: int, key: str) -> torch.Tensor | None:
         """A tensor stored under ``key`` in rank ``rank``'s file (RNG states)."""
