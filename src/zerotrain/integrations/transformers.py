@@ -118,13 +118,8 @@ def filled_config(
         "gradient_clipping": float(args.max_grad_norm or 0.0),
     }
     for key, value in wanted.items():
-        given = config.get(key, "auto")
-        if given != "auto" and given != value:
-            raise ValueError(
-                f"zerotrain_config {key}={given!r} disagrees with TrainingArguments "
-                f'({value!r}); set it to "auto" or to the same value'
-            )
-        config[key] = value
+        config.setdefault(key, "auto")  # missing: taken from the arguments too
+        _fill(config, key, value, key)
     # Follows from the two above and the world size: checked, not silently dropped.
     total = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     given = config.pop("train_batch_size", "auto")
