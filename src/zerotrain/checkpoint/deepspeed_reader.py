@@ -29,14 +29,9 @@ from zerotrain.checkpoint.manifest import (
     TopologyInfo,
 )
 from zerotrain.checkpoint.reader import CheckpointReader
-from zerotrain.config.policies import DTYPE_BY_NAME
+from zerotrain.config.policies import short_dtype_name
 
 _FILE = "deepspeed"  # the one in-memory "file" every fragment points at
-_NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _NAME_OF_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -101,7 +96,7 @@ def _manifest(imported: ImportedCheckpoint) -> Manifest:
                     Place(**_place(name, tensors[name].shape, 0, math.prod(tensors[name].shape))),
                 ),
                 values={
-                    k: ScalarState(value=v, dtype=None if d is None else _dtype_name(d))
+                    k: ScalarState(value=v, dtype=None if d is None else short_dtype_name(d))
                     for k, (v, d) in values.items()
                 },
             )
@@ -125,7 +120,7 @@ def _manifest(imported: ImportedCheckpoint) -> Manifest:
         ),
         world_size=imported.world_size,
         stage=imported.stage,
-        compute_dtype=None if compute is None else _dtype_name(compute),
+        compute_dtype=None if compute is None else short_dtype_name(compute),
         global_steps=imported.global_steps,
         global_samples=imported.global_samples,
         micro_steps=imported.micro_steps,
@@ -134,7 +129,7 @@ def _manifest(imported: ImportedCheckpoint) -> Manifest:
             name: TensorInfo(
                 kind=entry.kind,
                 shape=entry.shape,
-                dtype=_dtype_name(entry.dtype),
+                dtype=short_dtype_name(entry.dtype),
                 trainable=entry.trainable,
             )
             for name, entry in tensors.items()
