@@ -5,6 +5,7 @@ ranks that take different code paths."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import time
@@ -141,7 +142,96 @@ def test_memory_breakdown_at_stage3_keeps_one_slice_plus_the_gathered_units():
         # plus the block in use and the one prefetched.
         assert biggest[-1] < mem["gathered"] <= sum(biggest[-3:])
         assert shard <= mem["grads"] <= shard + pad  # the gradient slice
-        assert 0 < mem["staging"] <= 2 * biggest[-1]  # two buffers of the largest unit
+        # The units are small: their reductions share one collective, staged through one
+        # buffer holding them side by side (zero/grad_sync.py).
+        assert mem["staging"] == sum(biggest)
+
+
+class _Layer(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _Uneven(nn.Module):
+    """Units in reduction order: 272 and 4112 elements, then one of 131328 (above the
+    batching limit of 131072, and above the persistence threshold), then 8704, 272 and the
+    root's 68: reduced as three collectives ([small, small], [large], [small x 3])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = [16, 16, 512, 256, 16, 16]
+        self.blocks = nn.ModuleList(_Layer(a, b) for a, b in itertools.pairwise(widths))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _uneven_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        (torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(steps)
+    ]
+
+
+def _train_uneven(steps: int) -> dict:
+    torch.manual_seed(0)
+    model = _Uneven()
+    config = {
+        "train_batch_size": 8,
+        "gradient_clipping": 0.05,  # active on every step (gradient norms here are ~0.2-1)
+        "optimizer": {"type": "Adam", "params": PARITY_ADAM},
+        "zero_optimization": {"stage": 3},  # default persistence: only the large unit is sharded
+    }
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    calls = []
+    for x, y in _uneven_batches(steps):
+        engine.reset_comm_stats()
+        rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+        stats = engine.comm_stats()
+        calls.append(
+            (
+                stats.get("reduce_scatter", "gradients").calls,
+                stats.get("all_gather", "parameters").calls,
+            )
+        )
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    units = [(u.label, u.persistent) for u in engine.strategy.units]
+    return {"params": params, "calls": calls, "units": units}
+
+
+def test_small_units_are_reduced_and_refreshed_together():
+    """Consecutive small units share one reduce-scatter (and persistent ones one refresh
+    all-gather after the step), a large unit between them goes alone, and training matches
+    plain PyTorch on the whole batch with clipping active."""
+    steps = 4
+    results = run_distributed(_train_uneven, 2, steps)
+    torch.manual_seed(0)
+    model = _Uneven()
+    opt = torch.optim.AdamW(model.parameters(), **PARITY_ADAM)  # DeepSpeed's "Adam" decouples decay
+    for x, y in _uneven_batches(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) > 0.05
+        opt.step()
+    for result in results:
+        assert [p for _, p in result["units"]] == [True, True, False, True, True, True]
+        # Reduce-scatters: [blocks.4, blocks.3], [blocks.2], [blocks.1, blocks.0, root].
+        # All-gathers: blocks.2 in forward and again in backward, then one refresh of the
+        # five persistent units after the step.
+        for name, ref in model.named_parameters():
+            torch.testing.assert_close(result["params"][name], ref.detach(), rtol=0, atol=1e-6)
+        assert result["calls"] == [(3, 3)] * steps
 
 
 # -- models that use parameters awkwardly -----------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 
 from zerotrain.comm.buckets import plan_buckets
 from zerotrain.estimate.shapes import ModelShape, UnitShape
+from zerotrain.zero.issue import COALESCE_NUMEL, SMALL_UNIT_NUMEL, batch_small_units
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import auto_bucket_numel
 
@@ -173,7 +174,8 @@ def _gathered(units: list[UnitShape], root: UnitShape | None, setup: ZeroSetup) 
 
 
 def _staging(units: list[UnitShape], has_root: bool, setup: ZeroSetup, held: int = 0) -> int:
-    """Gradient staging buffers (stages 2-3), sized by the largest unit.
+    """Gradient staging buffers (stages 2-3): buffers sized by the largest unit, and at
+    stage 3 buffers for the batches of small units reduced together.
 
     A second buffer is allocated when one reduction is in flight while the next unit fills
     (``overlap_comm``), and at stage 3 whenever there is a root unit: its early gradients
@@ -184,10 +186,27 @@ def _staging(units: list[UnitShape], has_root: bool, setup: ZeroSetup, held: int
     if setup.stage < 2 or not units:
         return 0
     largest = max(_padded(u.numel, setup) for u in units)
-    flowing = len(units) - held
-    second = setup.overlaps or (setup.stage == 3 and has_root)
-    count = (2 if second and flowing > 1 else 1) if flowing else 0
-    return (count + held) * largest * setup.comm_bytes
+    if setup.stage < 3:
+        flowing = len(units) - held
+        count = (2 if setup.overlaps and flowing > 1 else 1) if flowing else 0
+        return (count + held) * largest * setup.comm_bytes
+    # Stage 3 reduces the last block first and the root last; runs of small units share
+    # one collective and stage through buffers of their own (zero/grad_sync.py), sized for
+    # the largest batch possible.
+    blocks = units[:-1] if has_root else units
+    sizes = [_padded(u.numel, setup) for u in [*reversed(blocks), *units[len(blocks) :]]]
+    batches = batch_small_units(sizes, [0] * len(sizes))
+    singles = [b for b in batches if len(b) == 1]
+    grouped = [b for b in batches if len(b) > 1]
+    root_single = has_root and len(batches[-1]) == 1
+    count = (2 if (setup.overlaps or root_single) and len(singles) > 1 else 1) if singles else 0
+    staging = count * largest
+    if grouped:
+        small = sum(n for n in sizes if n <= SMALL_UNIT_NUMEL)
+        root_grouped = has_root and len(batches[-1]) > 1
+        second = (setup.overlaps or root_grouped) and len(grouped) > 1
+        staging += (2 if second else 1) * min(small, COALESCE_NUMEL)
+    return staging * setup.comm_bytes
 
 
 def model_state_bytes(shape: ModelShape, setup: ZeroSetup) -> StateBytes:

@@ -32,7 +32,7 @@ from zerotrain.config.policies import GradReducePolicy
 from zerotrain.shard.flat_buffer import FlatParamBuffer
 from zerotrain.shard.io import CollectiveIO, Op
 from zerotrain.shard.partitioned import PartitionedParams
-from zerotrain.shard.staging import StagingPool
+from zerotrain.shard.staging import StagingSource
 from zerotrain.shard.storage import ResidentSlot, SlotStorage, StatePlacement
 from zerotrain.utils.invariant import invariant
 
@@ -253,7 +253,7 @@ class ShardedGradients:
         self,
         buffer: FlatParamBuffer | PartitionedParams,
         owned: tuple[int, int],
-        pool: StagingPool,
+        pool: StagingSource,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.buffer = buffer
@@ -297,6 +297,11 @@ class ShardedGradients:
         was not launched (a pass that does not synchronise) into staging, so ``param.grad``
         is empty between passes, as before any gradient arrived."""
         self._flush()
+
+    @property
+    def staged(self) -> bool:
+        """Whether a staging buffer is held (gradients staged, not yet reduced)."""
+        return self._staging is not None
 
     def _stage(self, staging: StagingProvider) -> tuple[torch.Tensor, StagingViews]:
         """The staging buffer this unit holds (taken from the pool on first need), and its

@@ -74,6 +74,10 @@ class StagingPool:
         found: T = self._views[key]
         return found
 
+    def forget_views(self) -> None:
+        """Drop every view made so far (their owners are replaced; none is in use)."""
+        self._views.clear()
+
     def drop_idle(self) -> None:
         """Free the buffers no unit holds (``engine.offload_states``); they are allocated
         again on first use."""
@@ -81,3 +85,82 @@ class StagingPool:
         self._free.clear()
         # The views keep their buffers alive; those of buffers still held are made again.
         self._views.clear()
+
+
+class StagingBatch:
+    """Staging for several small units whose reductions travel as one collective (stage 3,
+    ``zero/grad_sync.py``): each member stages into its own slice of one buffer drawn from
+    ``pool``, the members' slices side by side in launch order.
+
+    The buffer is drawn when the first member needs staging and goes back to ``pool`` once
+    every member that drew its slice has released it.
+
+    Args:
+        pool: buffers of at least ``sum(numels)`` elements, shared by every batch.
+        numels: the members' padded sizes, in launch order.
+    """
+
+    def __init__(self, pool: StagingPool, numels: list[int]) -> None:
+        invariant(sum(numels) <= pool.numel, "staging batch larger than its pool's buffers")
+        self.pool = pool
+        self.numels = numels
+        self.members = [BatchMember(self, k) for k in range(len(numels))]
+        self._buffer: torch.Tensor | None = None
+        self._holders: set[int] = set()
+
+    def _slices(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        slices, start = [], 0
+        for n in self.numels:
+            slices.append(buffer[start : start + n])
+            start += n
+        return slices
+
+    def acquire(self, k: int, grown: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Member ``k``'s slice (None when the batch has no buffer and the pool has none
+        free; ``grown``: a buffer the pool just grew, to use)."""
+        if self._buffer is None:
+            self._buffer = grown if grown is not None else self.pool.acquire()
+            if self._buffer is None:
+                return None
+        elif grown is not None:
+            self.pool.release(grown)
+        self._holders.add(k)
+        return self.pool.views(self._buffer, self, self._slices)[k]
+
+    def release(self, k: int) -> None:
+        """Member ``k`` is done with its slice."""
+        self._holders.discard(k)
+        if not self._holders and self._buffer is not None:
+            self.pool.release(self._buffer)
+            self._buffer = None
+
+
+class BatchMember:
+    """What a unit of a :class:`StagingBatch` draws its staging from, in place of a
+    :class:`StagingPool` (the same calls)."""
+
+    def __init__(self, batch: StagingBatch, k: int) -> None:
+        self.batch = batch
+        self.k = k
+
+    @property
+    def count(self) -> int:
+        return self.batch.pool.count
+
+    def acquire(self) -> torch.Tensor | None:
+        return self.batch.acquire(self.k)
+
+    def grow(self) -> torch.Tensor:
+        buffer = self.batch.acquire(self.k, grown=self.batch.pool.grow())
+        invariant(buffer is not None, "staging batch failed to grow")
+        return buffer  # type: ignore[return-value]
+
+    def release(self, _buffer: torch.Tensor) -> None:
+        self.batch.release(self.k)
+
+    def views(self, buffer: torch.Tensor, owner: object, make: Callable[[torch.Tensor], T]) -> T:
+        return self.batch.pool.views(buffer, owner, make)
+
+
+# Where a unit's gradients are staged: a pool of its own dtype, or its slice of a batch.
+StagingSource = StagingPool | BatchMember

@@ -38,14 +38,14 @@ from zerotrain.shard.layout import FlatLayout
 from zerotrain.shard.owned import ValueSource, copy_owned_range
 from zerotrain.shard.partitioned import PartitionedParams, ShardState
 from zerotrain.shard.policy import ZeroPolicy
-from zerotrain.shard.staging import StagingPool
+from zerotrain.shard.staging import StagingPool, StagingSource
 from zerotrain.shard.storage import (
     ResidentPlacement,
     SlotStorage,
     StatePlacement,
     held_in_memory,
 )
-from zerotrain.utils.invariant import invariant
+from zerotrain.utils.invariant import InvariantError, invariant
 
 
 class Ranks(Protocol):
@@ -191,7 +191,7 @@ class ShardedUnit:
         self.param_ids = tuple(param_ids)
         self.trainable = tuple(trainable) if trainable is not None else (True,) * len(params)
         self.trainable_count = sum(self.trainable)
-        self.pool = staging
+        self.pool: StagingSource | None = staging
         self.grads: FullGradients | ShardedGradients
         if zero.shard_gradients:
             invariant(staging is not None, "stage 2 needs a staging pool")
@@ -294,10 +294,8 @@ class ShardedUnit:
     def grad_shard(self) -> torch.Tensor:
         """The reduced gradient of this rank's owned range (padding included), in the dtype
         the optimizer steps: views of it are the pieces' ``.grad``."""
-        invariant(
-            not self.grads.slot.streamed,
-            f"{self!r}: the gradient slice is streamed from a swap file",
-        )
+        if self.grads.slot.streamed:  # (the message is built only when raised: hot path)
+            raise InvariantError(f"{self!r}: the gradient slice is streamed from a swap file")
         shard = self.grads.shard
         if self.master is None or shard.dtype == torch.float32:
             return shard
@@ -427,6 +425,15 @@ class ShardedUnit:
         self.grads.accept(index, staging)
         self.received.add(index)
 
+    def stage_through(self, source: StagingSource) -> None:
+        """Stage gradients through ``source`` from now on (its slice of a batch reduced
+        in one collective, or its own pool again); nothing may be staged now."""
+        invariant(isinstance(self.grads, ShardedGradients), "only sharded gradients stage")
+        grads: ShardedGradients = self.grads  # type: ignore[assignment]
+        invariant(not grads.staged, f"{self.label}: restaged while gradients are staged")
+        self.pool = source
+        grads.pool = source
+
     def grad_is_buffer_view(self, index: int, grad: torch.Tensor | None) -> bool:
         """``grad`` is ``params[index]``'s view of a full-size gradient buffer (stages 0-1
         with the parameters' dtype): adding into it in place is accumulating."""
@@ -440,7 +447,8 @@ class ShardedUnit:
     def launch_reduce(self, *, final: bool, staging: StagingProvider) -> CollectiveIO:
         """The reduction of this micro-step's gradient (the caller issues it); ``final`` on
         the window's last one."""
-        invariant(self.state is GradState.ACCUMULATING, f"{self!r}: reduce launched twice")
+        if self.state is not GradState.ACCUMULATING:
+            raise InvariantError(f"{self!r}: reduce launched twice")
         self.state = GradState.REDUCING
 
         def on_done() -> None:
@@ -529,16 +537,15 @@ class ShardedUnit:
     def full_gradient(self) -> torch.Tensor:
         """The gradient of the whole buffer in fp32 (stages 0-1): this rank's own after
         ``keep_local_gradient``, else the averaged one at stage 0."""
-        invariant(isinstance(self.grads, FullGradients), f"{self!r}: no whole gradient kept")
-        flat = self.grads.flat  # type: ignore[union-attr]
+        if not isinstance(self.grads, FullGradients):
+            raise InvariantError(f"{self!r}: no whole gradient kept")
+        flat = self.grads.flat
         return flat if flat.dtype == torch.float32 else flat.float()
 
     def check_reduced(self) -> None:
         """Raise unless the gradient is ready for the optimizer."""
-        invariant(
-            self.state is GradState.REDUCED,
-            f"{self!r}: optimizer step before its gradient was reduced",
-        )
+        if self.state is not GradState.REDUCED:
+            raise InvariantError(f"{self!r}: optimizer step before its gradient was reduced")
 
     def start_next_window(self) -> None:
         """The optimizer consumed the gradient (or the step was skipped): zero it for the

@@ -19,11 +19,17 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm.collectives import Communicator, Handle
-from zerotrain.shard.staging import StagingPool
+from zerotrain.shard.staging import StagingBatch, StagingPool, StagingSource
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import InvariantError, invariant
 from zerotrain.utils.logging import get_logger
-from zerotrain.zero.issue import issue
+from zerotrain.zero.issue import (
+    COALESCE_NUMEL,
+    SMALL_UNIT_NUMEL,
+    batch_small_units,
+    issue,
+    issue_reduce_scatters,
+)
 
 log = get_logger(__name__)
 
@@ -34,13 +40,11 @@ def _on_grad(sync: weakref.ref[GradientSynchronizer], u: int, i: int, param: tor
         target._on_grad(u, i, param)
 
 
-def _acquire_staging(
-    sync: weakref.ref[GradientSynchronizer], pool: StagingPool | None
-) -> torch.Tensor:
+def _acquire_staging(sync: weakref.ref[GradientSynchronizer], u: int) -> torch.Tensor:
     target = sync()
     if target is None:
         raise InvariantError("staging asked of a dropped gradient synchronizer")
-    return target._acquire_staging(pool)
+    return target._acquire_staging(target.units[u].pool)
 
 
 def _before_grad(sync: weakref.ref[GradientSynchronizer], grad: torch.Tensor) -> None:
@@ -68,6 +72,9 @@ class GradientSynchronizer:
         on_outside_grad: called before a gradient produced by a backward pass other than
             the engine's own (``begin_backward`` .. ``wait``) is accumulated into a
             parameter; such gradients stay in ``param.grad``, as plain PyTorch keeps them.
+        coalesce: reduce consecutive small units (in launch order) in one collective,
+            launched when the last of them is done (``launch_when_complete`` False only).
+            Their staging comes from ``pools``, one per dtype, sized for the largest batch.
     """
 
     def __init__(
@@ -79,7 +86,9 @@ class GradientSynchronizer:
         on_complete: Callable[[int], None] | None = None,
         launch_when_complete: bool = True,
         on_outside_grad: Callable[[], None] | None = None,
+        coalesce: bool = False,
     ) -> None:
+        invariant(not (coalesce and launch_when_complete), "coalescing needs mark_done")
         self.units = list(units)
         self.comm = comm
         self.overlap = overlap
@@ -94,6 +103,17 @@ class GradientSynchronizer:
         # (``launch_last``); the same on every rank.
         self._order = list(range(len(self.units)))
         self._position = list(range(len(self.units)))
+        # Batches of positions in ``_order`` launched as one collective: the end position
+        # of the batch starting at each position, the start of each unit's batch, and how
+        # many members of the batch starting at each position are not done yet.
+        self._batch_end = [p + 1 for p in self._order]
+        self._batch_start = list(self._order)
+        self._missing = [1] * len(self.units)
+        self._own_pool = [unit.pool for unit in self.units]
+        self.pools: list[StagingPool] = []
+        self._batch_pools: dict[int, StagingPool] = {}
+        if coalesce:
+            self._make_batch_pools()
         self._handles: list[Handle] = []
         self._syncing = False
         self._final = False
@@ -117,7 +137,8 @@ class GradientSynchronizer:
         me = weakref.ref(self)
         # Each unit's staging provider, made once (a hook allocates nothing per call); weak
         # like the hooks, so that it closes no cycle either.
-        self._staging = [functools.partial(_acquire_staging, me, unit.pool) for unit in units]
+        self._staging = [functools.partial(_acquire_staging, me, u) for u in range(len(units))]
+        self._plan_batches()
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
                 if unit.trainable[i]:
@@ -137,6 +158,53 @@ class GradientSynchronizer:
         self._order = order
         for position, u in enumerate(order):
             self._position[u] = position
+        self._plan_batches()
+
+    def _make_batch_pools(self) -> None:
+        """One pool per staging pool that small units use, its buffers as large as the
+        largest batch can be: every small unit of it, up to COALESCE_NUMEL."""
+        small: dict[int, tuple[StagingPool, int]] = {}
+        for pool, unit in zip(self._own_pool, self.units, strict=True):
+            numel = unit.buffer.layout.padded_numel
+            if isinstance(pool, StagingPool) and numel <= SMALL_UNIT_NUMEL:
+                total = small.get(id(pool), (pool, 0))[1]
+                small[id(pool)] = (pool, total + numel)
+        for key, (pool, total) in small.items():
+            batch_pool = StagingPool(min(total, COALESCE_NUMEL), pool.dtype, pool.device)
+            self._batch_pools[key] = batch_pool
+            self.pools.append(batch_pool)
+
+    def _plan_batches(self) -> None:
+        """Group runs of small units of one dtype in launch order into batches (each up
+        to COALESCE_NUMEL elements) and point their staging at the batch's buffer; every
+        other unit is a batch of one with its own pool. The same on every rank."""
+        n = len(self.units)
+        for pool in self.pools:
+            pool.forget_views()  # the batches they were made for are replaced
+
+        def kind(u: int) -> int | None:
+            pool = self._own_pool[u]
+            return id(pool) if id(pool) in self._batch_pools else None
+
+        order = self._order
+        sizes = [self.units[u].buffer.layout.padded_numel for u in order]
+        runs = batch_small_units(sizes, [kind(u) for u in order])
+        self._batch_end = [p + 1 for p in range(n)]
+        self._batch_start = list(range(n))
+        for run in runs:
+            members = [order[p] for p in run]
+            for p in run:
+                self._batch_start[order[p]] = run.start
+            self._batch_end[run.start] = run.stop
+            if len(run) == 1:
+                own = self._own_pool[members[0]]
+                if own is not None and self.units[members[0]].pool is not own:
+                    self.units[members[0]].stage_through(own)
+                continue
+            pool = self._batch_pools[id(self._own_pool[members[0]])]
+            batch = StagingBatch(pool, [self.units[u].buffer.layout.padded_numel for u in members])
+            for u, member in zip(members, batch.members, strict=True):
+                self.units[u].stage_through(member)
 
     def begin_backward(self, boundary: bool, requires_sync: bool = True) -> None:
         """Arm the hooks for one backward pass (``boundary``: last micro-step of a window;
@@ -159,6 +227,10 @@ class GradientSynchronizer:
             # report it done (stage 3): it is done now.
             self._done[u] = self._remaining[u] == 0
         self._absent = set()
+        for start in range(len(self.units)):
+            if self._batch_start[self._order[start]] == start:
+                members = self._order[start : self._batch_end[start]]
+                self._missing[start] = sum(not self._done[u] for u in members)
 
     def expect_no_gradient(self, params: Sequence[torch.Tensor]) -> None:
         """The next backward pass will produce no gradient for ``params`` on any rank (their
@@ -209,13 +281,14 @@ class GradientSynchronizer:
 
     def mark_done(self, u: int) -> None:
         """Unit ``u``'s module finished its backward: launch, in unit order, what is done."""
-        if not self._syncing:
+        if not self._syncing or self._done[u]:
             return
         self._done[u] = True
-        while self._next < len(self.units) and self._done[self._order[self._next]]:
+        self._missing[self._batch_start[u]] -= 1
+        while self._next < len(self.units) and self._missing[self._next] == 0:
             self._launch_next()
 
-    def _acquire_staging(self, pool: StagingPool | None) -> torch.Tensor:
+    def _acquire_staging(self, pool: StagingSource | None) -> torch.Tensor:
         if pool is None:
             raise InvariantError("a unit without a staging pool asked for staging")
         while True:
@@ -233,15 +306,21 @@ class GradientSynchronizer:
             pending[0].wait()  # its completion returns a buffer to the pool
 
     def _launch_next(self) -> None:
-        u = self._order[self._next]
-        handle = issue(
-            self.comm, self.units[u].launch_reduce(final=self._final, staging=self._staging[u])
-        )
-        self._next += 1
-        if self.overlap:
-            self._handles.append(handle)
+        start, end = self._next, self._batch_end[self._next]
+        ios = [
+            self.units[u].launch_reduce(final=self._final, staging=self._staging[u])
+            for u in self._order[start:end]
+        ]
+        if len(ios) == 1 or self.comm.world_size == 1:  # alone, nothing moves: no packing
+            handles = [issue(self.comm, io) for io in ios]
         else:
-            handle.wait()
+            handles = [issue_reduce_scatters(self.comm, ios)]
+        self._next = end
+        if self.overlap:
+            self._handles.extend(handles)
+        else:
+            for handle in handles:
+                handle.wait()
 
     def launch_remaining(self) -> None:
         """After autograd finished: launch what is left (parameters without a gradient

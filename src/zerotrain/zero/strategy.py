@@ -34,7 +34,7 @@ from zerotrain.zero.grad_norms import GradNorms
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
 from zerotrain.zero.init import replaying
-from zerotrain.zero.issue import issue
+from zerotrain.zero.issue import issue, issue_all_gathers
 from zerotrain.zero.outside_writes import OutsideWrites
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
@@ -160,7 +160,9 @@ class ZeroStrategy:
             on_complete=self._unit_complete if self.gatherer is not None else None,
             launch_when_complete=self.gatherer is None,
             on_outside_grad=self._drop_outside_grads_if_zeroed,
+            coalesce=self.gatherer is not None,
         )
+        self.pools += self.sync.pools
         if self.gatherer is not None:
             self.gatherer.on_backward_done = self.sync.mark_done
         self._fusion: WeightGradFusion | None = None
@@ -495,7 +497,7 @@ class ZeroStrategy:
         """All-gather every unit's updated slices, so every rank holds whole parameters
         again (stages 1-2, and stage-3 units that stay gathered); waits for them."""
         ios = [io for io in (unit.refresh() for unit in self.units) if io is not None]
-        for handle in [issue(self.comm, io) for io in ios]:
+        for handle in issue_all_gathers(self.comm, ios):
             handle.wait()
 
     def adopt_outside_changes(self) -> None:
