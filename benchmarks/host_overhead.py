@@ -4,8 +4,9 @@ collectives included) and CPU step time, on a model of many small parameters, wh
 compute is negligible and the per-parameter host work shows.
 
 The model: the demo GPT with 24 blocks of width 32 (293 parameter tensors), micro-batch 2,
-sequence 32. Each case runs in fresh processes; world size 2 runs over gloo TCP
-(``ZEROTRAIN_SHM=0``), so that every collective is one dispatched operation and counted.
+sequence 32. Each (world, precision, stage) runs in fresh processes holding both systems,
+each on its own copy of the model; world size 2 runs over gloo TCP (``ZEROTRAIN_SHM=0``),
+so that every collective is one dispatched operation and counted.
 
 - ``hand``: fp32: torch's AdamW (fused) with ``clip_grad_norm_(foreach=True)``; bf16:
   bf16 weights stepped through fp32 master copies by fused AdamW with clipping
@@ -14,8 +15,11 @@ sequence 32. Each case runs in fresh processes; world size 2 runs over gloo TCP
 - ``engine``: ``zerotrain.initialize`` with the same optimizer, clipping and precision, at
   ZeRO stages 0-3.
 
-Ops are counted over one steady-state step with a ``TorchDispatchMode`` on rank 0; time is
-the median of 5 windows of 5 steps (after 3 warm-up steps), the slower rank's.
+Ops are counted over one steady-state step with a ``TorchDispatchMode`` on rank 0. Time:
+5 rounds, each one window of 5 steps of the hand loop then one of the engine (after 3
+warm-up steps each), so that both see the same load on a noisy machine; a window's time
+is its slower rank's, and the ratio reported is the median of the 5 rounds' ratios (with
+their range).
 
     OMP_NUM_THREADS=1 python benchmarks/host_overhead.py [--worlds 1 2] [--stages 0 1 2 3]
 """
@@ -115,33 +119,42 @@ def _engine_step(model: torch.nn.Module, precision: str, stage: int) -> Callable
     return step
 
 
-def _case(system: str, precision: str, stage: int) -> dict[str, Any]:
-    """One rank: ops of one steady step (rank 0) and the median step time."""
-    model = _model(precision)
-    step = (
-        _hand_step(model, precision) if system == "hand" else _engine_step(model, precision, stage)
-    )
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(dist.get_rank())
     data = []
     for _ in range(4):
         ids = torch.randint(0, 256, (MICRO, CFG["block_size"] + 1), generator=g)
         data.append((ids[:, :-1], ids[:, 1:]))
+    return data
+
+
+def _ops(step: Callable[..., Any], data: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     for i in range(WARMUP):
         step(*data[i % 4])
     counter = OpCounter()
     with counter:
         step(*data[0])
-    times = []
-    for _ in range(WINDOWS):
-        start = time.perf_counter()
-        for i in range(PER_WINDOW):
-            step(*data[i % 4])
-        times.append((time.perf_counter() - start) / PER_WINDOW)
-    return {
-        "ops": sum(counter.ops.values()),
-        "by_op": dict(counter.ops),
-        "step_s": statistics.median(times),
-    }
+    return dict(counter.ops)
+
+
+def _window(step: Callable[..., Any], data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    dist.barrier()  # both ranks start the window together
+    start = time.perf_counter()
+    for i in range(PER_WINDOW):
+        step(*data[i % 4])
+    return (time.perf_counter() - start) / PER_WINDOW
+
+
+def _case(precision: str, stage: int) -> dict[str, Any]:
+    """One rank: the hand loop and the engine side by side in this process (each on its
+    own copy of the model): ops of one steady step of each, then WINDOWS rounds of one
+    timed window of each, alternating, so that both see the same machine load."""
+    hand = _hand_step(_model(precision), precision)
+    engine = _engine_step(_model(precision), precision, stage)
+    data = _data()
+    hand_ops, engine_ops = _ops(hand, data), _ops(engine, data)
+    rounds = [(_window(hand, data), _window(engine, data)) for _ in range(WINDOWS)]
+    return {"hand_ops": hand_ops, "engine_ops": engine_ops, "rounds": rounds}
 
 
 def main() -> None:
@@ -153,33 +166,38 @@ def main() -> None:
     args = parser.parse_args()
     from zerotrain.testing.dist import run_distributed
 
-    def run(world: int, system: str, precision: str, stage: int) -> dict[str, Any]:
-        ranks = run_distributed(
-            _case, world, system, precision, stage, env={"ZEROTRAIN_SHM": "0"},
-            own_processes="fresh processes per case", timeout=600,
-        )  # fmt: skip
-        return {**ranks[0], "step_s": max(r["step_s"] for r in ranks)}
-
     columns = (
-        "world", "precision", "stage", "ops: engine / hand", "time: engine / hand",
+        "world", "precision", "stage", "ops: engine / hand", "time: engine / hand (range)",
         "engine ops", "hand ops", "engine ms", "hand ms",
     )  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for world in args.worlds:
         for precision in args.precisions:
-            hand = run(world, "hand", precision, 0)
             for stage in args.stages:
-                engine = run(world, "engine", precision, stage)
+                ranks = run_distributed(
+                    _case, world, precision, stage, env={"ZEROTRAIN_SHM": "0"},
+                    own_processes="fresh processes per case", timeout=600,
+                )  # fmt: skip
+                # A round's time is its slower rank's; the ratio is taken per round.
+                rounds = [
+                    (max(r["rounds"][k][0] for r in ranks), max(r["rounds"][k][1] for r in ranks))
+                    for k in range(WINDOWS)
+                ]
+                ratios = sorted(e / h for h, e in rounds)
+                hand_ms = 1e3 * statistics.median(h for h, _ in rounds)
+                engine_ms = 1e3 * statistics.median(e for _, e in rounds)
+                hand_ops = sum(ranks[0]["hand_ops"].values())
+                engine_ops = sum(ranks[0]["engine_ops"].values())
                 print(
-                    f"| {world} | {precision} | {stage} | {engine['ops'] / hand['ops']:.2f} | "
-                    f"{engine['step_s'] / hand['step_s']:.2f} | {engine['ops']} | {hand['ops']} | "
-                    f"{1e3 * engine['step_s']:.1f} | {1e3 * hand['step_s']:.1f} |",
+                    f"| {world} | {precision} | {stage} | {engine_ops / hand_ops:.2f} | "
+                    f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
+                    f"{engine_ops} | {hand_ops} | {engine_ms:.1f} | {hand_ms:.1f} |",
                     flush=True,
                 )
                 if args.top:
-                    extra = collections.Counter(engine["by_op"])
-                    extra.subtract(hand["by_op"])
+                    extra = collections.Counter(ranks[0]["engine_ops"])
+                    extra.subtract(ranks[0]["hand_ops"])
                     print(
                         "    most added:",
                         ", ".join(f"{op} {n:+d}" for op, n in extra.most_common(args.top)),

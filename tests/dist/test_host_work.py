@@ -158,13 +158,14 @@ def _syncs(stage: int, action: str) -> int:
     return _ops_of_a_steady_step(step, warmup=2).all["aten._local_scalar_dense"]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_a_steady_step_reads_nothing_back_but_the_inf_nan_verdict(stage):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_steady_step_reads_nothing_back(stage):
     """Host syncs in a steady step (two micro-steps, clipping on), counted as
-    ``_local_scalar_dense`` (``.item()``, ``bool()`` of a tensor): none when nothing asks
-    for a verdict on inf/NaN gradients (``non_finite_gradients.action: "ignore"``), one
-    with the default ``"skip"``, which decides on the host whether the step runs."""
-    for rank_syncs in run_distributed(_syncs, 2, stage, "ignore"):
-        assert rank_syncs == 0
-    for rank_syncs in run_distributed(_syncs, 2, stage, "skip"):
-        assert rank_syncs == 1
+    ``_local_scalar_dense`` (``.item()``, ``bool()`` of a tensor): none with the default
+    ``non_finite_gradients.action: "skip"``, whose verdict (and stage 3's gather
+    fingerprint check) stays on the device and is read a step later from memory copied
+    without waiting (engine/verdict.py), nor with ``"ignore"``; one with ``"raise"``, which
+    decides on the host before the step."""
+    for action, expected in (("skip", 0), ("ignore", 0), ("raise", 1)):
+        for rank_syncs in run_distributed(_syncs, 2, stage, action):
+            assert rank_syncs == expected, (action, rank_syncs)

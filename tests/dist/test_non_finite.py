@@ -34,22 +34,27 @@ class _Captured(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _train(stage: int, dtype: str, poison: list[int], section: dict[str, Any]) -> dict:
+WARMUP = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 8}}
+
+
+def _train(
+    stage: int, dtype: str, poison: list[int], section: dict[str, Any], schedule: bool = False
+) -> dict:
     """Train STEPS steps; at each step in ``poison`` rank 1 turns ``wpe.weight``'s gradient
     into NaN. Returns what happened on this rank."""
     torch.manual_seed(0)
     model = GPT(CFG)
-    engine, *_ = zerotrain.initialize(
-        model=model,
-        config={
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage},
-            "bf16": {"enabled": dtype == "bf16"},
-            "non_finite_gradients": section,
-            "steps_per_print": 1000,
-        },
-    )
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": dtype == "bf16"},
+        "non_finite_gradients": section,
+        "steps_per_print": 1000,
+    }
+    if schedule:
+        config["scheduler"] = WARMUP
+    engine, *_ = zerotrain.initialize(model=model, config=config)
     captured = _Captured()
     logging.getLogger("zerotrain").addHandler(captured)
     state = {"step": 0}
@@ -62,12 +67,13 @@ def _train(stage: int, dtype: str, poison: list[int], section: dict[str, Any]) -
     tokens = torch.randint(
         0, 256, (STEPS, 2, CFG.block_size + 1), generator=torch.Generator().manual_seed(1)
     )
-    snapshots, error = [], None
+    snapshots, error, lrs = [], None, []
     try:
         for step in range(STEPS):
             state["step"] = step
             engine.backward(engine(tokens[step, :, :-1], tokens[step, :, 1:]))
             engine.step()
+            lrs.append(engine.get_lr_of_last_step()[0])
             with zerotrain.zero.GatheredParameters(list(model.parameters())):
                 snapshots.append(
                     torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
@@ -80,25 +86,48 @@ def _train(stage: int, dtype: str, poison: list[int], section: dict[str, Any]) -
         "applied": engine.was_step_applied(),
         "warnings": captured.messages,
         "error": error,
+        "lrs": lrs,
+        "next_lr": engine.get_lr()[0],
     }
 
 
 @pytest.mark.parametrize(("stage", "dtype"), [(1, "fp32"), (3, "fp32"), (2, "bf16")])
 def test_a_non_finite_step_is_skipped_on_every_rank_and_named(stage, dtype):
-    results = run_distributed(_train, 2, stage, dtype, [2], {}, timeout=120)
+    """Steps 3 and 4 poisoned. Step 3's verdict stays on the device (no host sync) and is
+    read at step 4, naming the unit; from then on verdicts are taken on the host until a
+    step is finite, so step 4 is caught before it runs and names the parameter."""
+    results = run_distributed(_train, 2, stage, dtype, [2, 3], {}, timeout=120)
     for rank, r in enumerate(results):
         assert r["error"] is None, r["error"]
-        assert r["skipped"] == 1, (rank, r["skipped"])
+        assert r["skipped"] == 2, (rank, r["skipped"])
         shots = r["snapshots"]
         assert torch.equal(shots[2], shots[1]), "the poisoned step 3 changed the parameters"
-        assert not torch.equal(shots[3], shots[2]), "training did not go on after the skip"
+        assert torch.equal(shots[3], shots[2]), "the poisoned step 4 changed the parameters"
+        assert not torch.equal(shots[4], shots[3]), "training did not go on after the skips"
         assert all(torch.isfinite(s).all() for s in shots)
-        warning = next(m for m in r["warnings"] if "inf/NaN" in m)
-        assert "step 3" in warning, warning
-        assert "skipped on every rank" in warning, warning
-    # The rank whose slice holds wpe.weight names it (at stages 1-3 each rank owns a slice).
+        warnings = [m for m in r["warnings"] if "inf/NaN" in m]
+        assert len(warnings) == 2, warnings
+        assert "step 3" in warnings[0], warnings[0]
+        assert "step 4" in warnings[1], warnings[1]
+        assert all("skipped on every rank" in w for w in warnings), warnings
+    # The ranks whose slices hold wpe.weight name its unit for step 3 and the parameter
+    # itself for step 4 (at stages 1-3 each rank owns a slice).
     named = [m for r in results for m in r["warnings"] if "first non-finite gradient" in m]
-    assert any("wpe.weight" in m for m in named), named
+    assert any("step 3" in m and "(unit '" in m for m in named), named
+    assert any("step 4" in m and m.endswith("wpe.weight") for m in named), named
+
+
+def test_a_skipped_step_does_not_advance_the_schedule():
+    """The scheduler steps at once after a step whose verdict stays on the device, and is
+    put back when the verdict says the step was skipped (DeepSpeed does not advance the
+    schedule on a skipped step): the rates are those of a run whose step 3 never ran."""
+    clean = run_distributed(_train, 2, 1, "fp32", [], {}, True, timeout=120)[0]
+    for r in run_distributed(_train, 2, 1, "fp32", [2], {}, True, timeout=120):
+        assert r["skipped"] == 1
+        used = clean["lrs"]
+        assert used[1] != used[2] != used[3]  # still warming up: every step moves the rate
+        assert r["lrs"] == [*used[:3], *used[2:5]]
+        assert r["next_lr"] == used[5]
 
 
 def test_consecutive_skips_raise_naming_the_key():

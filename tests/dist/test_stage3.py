@@ -446,13 +446,22 @@ def _blocks_in_another_order_on_rank_one() -> None:
         model.blocks = nn.ModuleList([model.blocks[1], model.blocks[0]])
     x, y = micro_batch(global_batches(spec, 2), spec, 0, 0, dist.get_rank(), 2)
     engine.backward(engine(x, y))
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        before = [p.detach().clone() for p in model.parameters()]
     engine.step()
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        after = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "step applied"
+    # The step's verdict stayed on the device (the optimizer skipped it there); reading it
+    # (the next step, or any query of it) raises.
+    engine.was_step_applied()
 
 
 def test_gathers_that_match_in_size_but_not_in_unit_are_caught_at_the_step():
     # With every per-collective check off, the blocks' gathers pair up (same sizes) and
     # silently exchange the wrong parameters; the fingerprint compared at the accumulation
-    # boundary still stops the step on every rank before the optimizer applies anything.
+    # boundary still stops the step on every rank before the optimizer applies anything
+    # (on the device, in the optimizer's kernel), and reading the step's verdict raises.
     env = {"ZEROTRAIN_SHM": "0", "ZEROTRAIN_VERIFY_COLLECTIVES": "0"}
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_blocks_in_another_order_on_rank_one, 2, env=env, timeout=60)

@@ -52,8 +52,10 @@ from zerotrain.engine.state_offload import (
     EngineStates,
 )
 from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
+from zerotrain.engine.verdict import PendingStep, pending_step, undo_schedule
 from zerotrain.estimate import MemoryEstimate
 from zerotrain.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
+from zerotrain.optim.base import skips_on_device
 from zerotrain.optim.clip import clip_coefficient
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.sequence import shard_batch
@@ -151,7 +153,12 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         self.precision = precision or PrecisionPolicy()
         scaling = self.precision.loss_scale
         self.loss_scaler = LossScaler(scaling) if scaling is not None else None
-        self.skipped_steps = 0
+        self._skipped_steps = 0
+        # A step whose inf/NaN verdict is still on the device (engine/verdict.py).
+        self._pending: PendingStep | None = None
+        # After a step found skipped that way, verdicts are taken on the host (before the
+        # step, naming the parameter) until a step is finite again.
+        self._verdict_on_host = False
         self._consecutive_skips = 0  # fp32/bf16 steps skipped in a row for inf/NaN
         self._step_applied = True
         self._compiled = False
@@ -457,6 +464,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
 
     def _update(self) -> None:
         """Clip, step and schedule on the reduced gradients, or skip on an overflow."""
+        self._settle_verdict(in_update=True)  # the previous step's, before this step's rates
         self.strategy.sum_group_gradients()  # sequence-parallel whole parameters, if any
         policy = self.policy
         checked = self.precision.check_overflow or policy.non_finite_action != "ignore"
@@ -471,11 +479,13 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         )
         norm = self.strategy.grad_norm() if needed else None
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        # Checking converts the norm to a Python bool: one device sync per step, skipped only
-        # with non_finite_gradients.action "ignore" (fp32/bf16). The norm is global, so
+        # Deciding on the host converts the norm to a Python bool, a device sync; with
+        # "skip" and an optimizer that skips on a device flag the verdict stays on the
+        # device and is read at the next step (engine/verdict.py). The norm is global, so
         # every rank reaches the same verdict.
-        overflow = checked and norm is not None and not bool(torch.isfinite(norm))
-        if self.loss_scaler is None:
+        deferred = norm is not None and self._defers_verdict()
+        overflow = checked and norm is not None and not deferred and not bool(torch.isfinite(norm))
+        if self.loss_scaler is None and not deferred:
             self._non_finite(overflow, norm)
         self._step_applied = not overflow
         self._step_lrs = self._current_lrs()
@@ -484,7 +494,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         if overflow:
             self._grad_norm = norm
             self.strategy.skip_step()
-            self.skipped_steps += 1
+            self._skipped_steps += 1
         else:
             self._grad_norm, coef = (
                 (None, None)
@@ -492,7 +502,10 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 else clip_coefficient(norm, 1.0 / scale, self.policy.clip_norm)
             )
             self.strategy.scale_grads(coef)
-            self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
+            if deferred:
+                self._step_with_device_verdict(norm)  # type: ignore[arg-type]
+            else:
+                self.strategy.optimizer_step(self.optimizer, self._steps_model_params)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         if self.loss_scaler is not None:
@@ -504,24 +517,96 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 f", loss scale {scale:g} -> {self.loss_scale:g}",
             )
 
-    def _non_finite(self, found: bool, norm: torch.Tensor | None) -> None:
-        """fp32/bf16 (no loss scaler): log a step with inf/NaN gradients, and raise when the
-        policy says so or too many came in a row (``non_finite_gradients``)."""
-        if not found or norm is None:  # found only on steps that computed the norm
+    def _defers_verdict(self) -> bool:
+        """Whether this step's inf/NaN verdict stays on the device (engine/verdict.py)."""
+        return (
+            self.policy.non_finite_action == "skip"
+            and not self._verdict_on_host
+            and self.loss_scaler is None
+            and self.optimizer is not None
+            and not self._steps_model_params
+            and self.strategy.offload is None
+            and skips_on_device(self.optimizer)
+        )
+
+    def _step_with_device_verdict(self, norm: torch.Tensor) -> None:
+        """The optimizer step, skipped inside its kernel if ``norm`` is not finite; the
+        verdict is read later (``_settle_verdict``)."""
+        assert self.optimizer is not None
+        found_inf = torch.isfinite(norm).logical_not().float()
+        squares = self.strategy.norm_squares()
+        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            self.strategy.optimizer_step(self.optimizer, self._steps_model_params, found_inf)
+        finally:
+            self.optimizer.found_inf = None  # type: ignore[attr-defined]
+        self._pending = pending_step(
+            self.global_steps + 1,
+            found_inf,
+            norm,
+            squares,
+            self.strategy.used.deferred_prints,
+            self.lr_scheduler,
+            self.optimizer,
+        )
+
+    def _settle_verdict(self, in_update: bool = False) -> None:
+        """Read the verdict of a step that left it on the device: a skipped step is
+        counted, its schedule put back, and logged (or raised: ``max_consecutive_skips``,
+        or stage-3 ranks that gathered differently; ``in_update``: the next step's
+        gradients are reduced already, and are dropped then)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.found_inf.get() == 0.0:
             self._consecutive_skips = 0
             return
-        self._consecutive_skips += 1
-        step, policy = self.global_steps + 1, self.policy
-        where = self.strategy.first_nonfinite_grad()
-        detail = (
+        self._step_applied = False
+        self._verdict_on_host = True  # until a step is finite: steps right after are named
+        if self.optimizer is not None:
+            self.optimizer.overflow = True  # type: ignore[attr-defined]
+            undo_schedule(pending, self.lr_scheduler, self.optimizer)
+        self._skipped_steps += 1
+        try:
+            if pending.prints is not None:
+                self.strategy.used.check_same_gathers(pending.prints)  # raises if they diverged
+            where = self.strategy.first_nonfinite_unit(pending.squares)
+            self._after_skip(pending.step, pending.norm, self._where_detail(where))
+        except Exception:
+            if in_update:
+                self.strategy.skip_step()  # close the window whose step will not run
+            raise
+
+    @staticmethod
+    def _where_detail(where: str | None) -> str:
+        return (
             f"first non-finite gradient on this rank: {where}"
             if where is not None
             else "this rank's gradient slices are finite (another rank's are not)"
         )
+
+    def _non_finite(self, found: bool, norm: torch.Tensor | None) -> None:
+        """fp32/bf16 (no loss scaler), deciding before the step: log a step with inf/NaN
+        gradients, and raise when the policy says so or too many came in a row
+        (``non_finite_gradients``)."""
+        if not found or norm is None:  # found only on steps that computed the norm
+            self._consecutive_skips = 0
+            self._verdict_on_host = False
+            return
+        detail = self._where_detail(self.strategy.first_nonfinite_grad())
+        try:
+            self._after_skip(self.global_steps + 1, norm, detail)
+        except FloatingPointError:
+            self.strategy.skip_step()
+            self._skipped_steps += 1
+            raise
+
+    def _after_skip(self, step: int, norm: torch.Tensor, detail: str) -> None:
+        """One more step skipped for inf/NaN: warn, or raise when the policy says so."""
+        self._consecutive_skips += 1
+        policy = self.policy
         limit = policy.max_consecutive_skips
         if policy.non_finite_action == "raise" or self._consecutive_skips >= limit:
-            self.strategy.skip_step()
-            self.skipped_steps += 1
             why = (
                 "non_finite_gradients.action is 'raise'"
                 if policy.non_finite_action == "raise"
@@ -563,6 +648,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         """Learning rate of each optimizer param group now, as DeepSpeed's ``get_lr``: after
         ``step()`` it is already the rate the scheduler set for the next step. To log a
         step's loss with the rate that step used, use :meth:`get_lr_of_last_step`."""
+        self._settle_verdict()  # a skipped step's schedule is put back first
         return self._current_lrs()
 
     def get_lr_of_last_step(self) -> list[float]:
@@ -635,7 +721,18 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
 
     def was_step_applied(self) -> bool:
         """False when the last optimizer step was skipped for a gradient overflow."""
+        self._settle_verdict()
         return self._step_applied
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because a gradient overflowed (or held inf/NaN)."""
+        self._settle_verdict()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
 
     def get_global_grad_norm(self) -> float | None:
         """Gradient norm (before clipping) at the last optimizer step; None when that step
@@ -714,6 +811,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 self.policy.batch.gradient_accumulation_steps,
             )
         self._states.require(CHECKPOINT, "save_checkpoint()")
+        self._settle_verdict()  # counters and schedule as the last step left them
         return save_checkpoint(self.checkpoint_state(), save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(
@@ -753,6 +851,7 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 "its own checkpoint dict, which zerotrain's sharded format does not have; "
                 "load the checkpoint, then change the model's weights yourself"
             )
+        self._pending = None  # what is loaded replaces what the last step's verdict would set
         # strict: zerotrain's earlier name of load_module_strict; either False relaxes.
         strict = load_module_strict and (strict is None or strict)
         path, client_state, report = load_checkpoint(

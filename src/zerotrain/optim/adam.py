@@ -82,6 +82,12 @@ class Adam(FlatOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(param)
         return state
 
+    def skips_on_device(self) -> bool:
+        """Every group runs torch's fused kernel, which skips on ``found_inf`` by itself."""
+        return all(
+            group["bias_correction"] and _fused_ok(group["params"]) for group in self.param_groups
+        )
+
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
@@ -103,6 +109,7 @@ class Adam(FlatOptimizer):
                 weight_decay=group["weight_decay"],
                 eps=group["eps"],
                 maximize=False,
+                found_inf=self.found_inf,
             )
             return
         for param, state in zip(params, states, strict=True):

@@ -34,6 +34,14 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
+    # Set by the engine around a step whose inf/NaN verdict stays on the device (1.0: skip);
+    # honoured by optimizers whose ``skips_on_device`` says so.
+    found_inf: torch.Tensor | None = None
+
+    def skips_on_device(self) -> bool:
+        """Whether ``step()`` honours ``found_inf`` in its kernels (see ``skips_on_device``)."""
+        return False
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Update every tensor that has a gradient."""
@@ -64,3 +72,15 @@ class FlatOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.zero_()
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` honours a ``found_inf`` attribute (a 0-d float tensor on
+    the parameters' device; 1.0: leave parameters, moments and step counts as they are)
+    inside its kernel, so that an inf/NaN step is skipped with no host sync: torch's fused
+    Adam and AdamW (as GradScaler drives them), and zerotrain's Adam where it runs torch's
+    fused kernel."""
+    if isinstance(optimizer, FlatOptimizer):
+        return optimizer.skips_on_device()
+    fused_torch = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    return fused_torch and bool(optimizer.defaults.get("fused"))

@@ -50,6 +50,9 @@ class GradNorms:
         # on every tensor-parallel rank, counted on the group's first rank only): the
         # ranges of its owned gradient slice this rank counts in the global norm.
         self._norm_ranges: dict[int, list[tuple[int, int]]] = {}
+        # This rank's (unit, sum of squares) behind the last global norm: a step whose
+        # verdict is read later names the first unit that held inf/NaN from these.
+        self.last_squares: list[tuple[int, torch.Tensor]] = []
 
     def _sum_across_shards(self, tensor: torch.Tensor) -> None:
         self.comm.all_reduce(tensor, purpose="control")
@@ -101,6 +104,7 @@ class GradNorms:
             else self.units[k].grad_squared_norm()
             for k in counted
         ]
+        self.last_squares = list(zip(counted, squares, strict=True))
         return norm_from_squares(squares, self.global_reducer())
 
     def _local_norm(self) -> torch.Tensor:
@@ -114,12 +118,29 @@ class GradNorms:
             total.div_(self.comm.world_size)
 
         squares = [squared_norm(u.grads.flat) for u in self.units]  # type: ignore[union-attr]
+        self.last_squares = list(enumerate(squares))
         return norm_from_squares(squares, mean_over_ranks)
 
     def first_nonfinite(self) -> str | None:
         """The first parameter, in unit order, whose reduced gradient holds inf/NaN in this
         rank's slices (None: none here; another rank's slices may hold it)."""
         return next((n for u in self.units if (n := u.first_nonfinite_grad()) is not None), None)
+
+    def first_nonfinite_unit(self, squares: list[tuple[int, torch.Tensor]]) -> str | None:
+        """From the per-unit sums of squares of a past step (``last_squares``, taken
+        before its gradients were cleared): the first unit whose slice on this rank held
+        inf/NaN, described by the parameters in that slice (None: none here)."""
+        if not squares:
+            return None
+        finite = torch.isfinite(torch.stack([square for _, square in squares])).tolist()
+        k = next((k for (k, _), ok in zip(squares, finite, strict=True) if not ok), None)
+        if k is None:
+            return None
+        unit = self.units[k]
+        lo, hi = unit.owned
+        names = [p.fqn for p in unit.buffer.layout.params if p.start < hi and p.end > lo]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        return f"one of {shown} (unit '{unit.label}')"
 
     def _counted_squares(self, k: int, unit: ShardedUnit) -> torch.Tensor:
         if unit.grads.slot.streamed:

@@ -377,6 +377,14 @@ class ZeroStrategy:
         """See ``GradNorms.first_nonfinite``."""
         return self.norms.first_nonfinite()
 
+    def norm_squares(self) -> list[tuple[int, torch.Tensor]]:
+        """This rank's per-unit sums of squares behind the last ``grad_norm``."""
+        return self.norms.last_squares
+
+    def first_nonfinite_unit(self, squares: list[tuple[int, torch.Tensor]]) -> str | None:
+        """See ``GradNorms.first_nonfinite_unit``."""
+        return self.norms.first_nonfinite_unit(squares)
+
     def count_once_elsewhere(self, params: Iterable[torch.Tensor]) -> None:
         """See ``GradNorms.count_once_elsewhere``."""
         self.norms.count_once_elsewhere(params)
@@ -456,14 +464,19 @@ class ZeroStrategy:
             self.offload.optimizer.grad_scale = coef
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer | None, steps_model_params: bool
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        steps_model_params: bool,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         """Step ``optimizer`` on the reduced gradients, then start the next window.
 
         ``steps_model_params``: the optimizer holds the model's own parameters (a user
-        optimizer at stage 0) rather than this strategy's flat pieces.
+        optimizer at stage 0) rather than this strategy's flat pieces. ``found_inf``: the
+        step's verdict left on the device, which the optimizer honours (stage 3 adds
+        diverged gathers to it: ``UsedParameters.unused``).
         """
-        unused = self.used.unused()
+        unused = self.used.unused(found_inf)
         if self.gatherer is not None:
             self.gatherer.end_window()  # the step changes the shards units gather from
         self.outside_writes.adopt(only_if_written=True)

@@ -55,6 +55,8 @@ class UsedParameters:
         # Whether every trainable parameter got a gradient on this rank in the window.
         self._used_everything = False
         self._told_stepped = False
+        # The last window's fingerprints, when their comparison was left on the device.
+        self.deferred_prints: torch.Tensor | None = None
         self._trainable_ids = torch.tensor(
             [
                 pid
@@ -111,8 +113,9 @@ class UsedParameters:
             comm.all_reduce(mine, purpose="control", op="max")
             flags[ids] = mine
 
-    def _check_same_gathers(self, tail: torch.Tensor) -> None:
-        """Raise on every rank if the ranks gathered different units in this window."""
+    def check_same_gathers(self, tail: torch.Tensor) -> None:
+        """Raise on every rank if the ranks gathered different units in the window whose
+        exchanged fingerprints (the tail of its flags) are ``tail``."""
         n = tail.numel() // 2
         high, low = tail[:n].tolist(), [-v for v in tail[n:].tolist()]
         if high == low:
@@ -133,14 +136,27 @@ class UsedParameters:
             f"modules the same number of times): {what} per rank"
         )
 
-    def unused(self) -> list[tuple[ShardedUnit, int]]:
-        """Parameters that got no gradient on any rank in this window."""
+    def unused(self, found_inf: torch.Tensor | None = None) -> list[tuple[ShardedUnit, int]]:
+        """Parameters that got no gradient on any rank in this window.
+
+        ``found_inf``: the step's inf/NaN flag, kept on the device (engine/verdict.py); the
+        stage-3 fingerprint comparison then stays there too: ranks that gathered
+        differently set the flag, so the step is skipped, and ``deferred_prints`` keeps the
+        fingerprints for ``check_same_gathers`` once the skip is read."""
         invariant(self._used is not None, "optimizer step without a boundary backward pass")
         flags, handle = self._used  # type: ignore[misc]
         self._used = None
         handle.wait()
+        self.deferred_prints = None
         if self.gatherer is not None:
-            self._check_same_gathers(flags[self.num_params :])
+            tail = flags[self.num_params :]
+            if found_inf is None:
+                self.check_same_gathers(tail)
+            else:
+                n = tail.numel() // 2
+                diverged = (tail[:n] + tail[n:]).ne(0).any()  # max != min somewhere
+                torch.maximum(found_inf, diverged.to(found_inf.dtype), out=found_inf)
+                self.deferred_prints = tail
             flags = flags[: self.num_params]
         if self._used_everything:
             # Every parameter got a gradient here, so the maximum over the ranks (and over
