@@ -18,6 +18,9 @@ Run on a machine with one CUDA GPU (world size 1; every case sets its own rendez
   step time and the GPU's dense bf16 peak).
 * ``offload``: a ~1.3B model at stage 2 with ``offload_optimizer: cpu``.
 
+Each engine case also runs one steady step under ``torch.cuda.set_sync_debug_mode("error")``
+(``sync_free``: True, or the first line of the error naming the synchronizing call).
+
 ``case states <stage> --size 350m``: ``engine.offload_states()`` / ``reload_states()``
 on that model (memory, time of each call, losses after the round trip).
 
@@ -299,6 +302,18 @@ def case_throughput(name: str, size: str, profile_dir: Path | None = None) -> di
         times.append((time.perf_counter() - start) / per_window)
     step_s = statistics.median(times)
     tokens = batch * cfg.block_size
+    # Issue 43: a steady step makes the host wait for the device nowhere (no .item(), no
+    # blocking copy); CUDA's sync debug mode turns any such call into an error.
+    sync_free: bool | str | None = None
+    if torch.cuda.is_available() and name.startswith("engine"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(*data[0])
+            sync_free = True
+        except RuntimeError as exc:
+            sync_free = str(exc).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     profiled = {}
     if profile_dir is not None:
         profiled = profile_steps(step, data, profile_dir / f"profile_{name}.txt")
@@ -315,6 +330,7 @@ def case_throughput(name: str, size: str, profile_dir: Path | None = None) -> di
         else None,
         "step_flops": flops,
         "last_loss": float(last) if last is not None else None,
+        "sync_free": sync_free,
     }
 
 
@@ -409,10 +425,11 @@ def summarize(results: dict[str, Any]) -> str:
     over = {r.get("case"): r for r in results["overhead"] if "error" not in r}
     flops = over.get("hand_master", {}).get("step_flops")
     peak = peak_tflops()
-    lines += ["", "| case | step ms | tokens/s | vs hand | peak GiB | MFU |", "| --- " * 6 + "|"]
+    head = "| case | step ms | tokens/s | vs hand | peak GiB | MFU | no host sync |"
+    lines += ["", head, "| --- " * 7 + "|"]
     for r in results["overhead"] + results["offload"]:
         if "error" in r:
-            lines.append(f"| {r['args']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['args']} | error: {r['error']} | | | | | |")
             continue
         base_name = "hand_autocast" if "autocast" in r["case"] else "hand_master"
         base = over.get(base_name)
@@ -421,7 +438,7 @@ def summarize(results: dict[str, Any]) -> str:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else ""
         lines.append(
             f"| {r['case']} ({r['params'] / 1e6:.0f}M) | {r['step_s'] * 1e3:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {ratio} | {mem} | {mfu} |"
+            f"{r['tokens_per_s']:.0f} | {ratio} | {mem} | {mfu} | {r.get('sync_free', '')} |"
         )
     if flops:
         lines.append(f"\nFLOPs per step (FlopCounterMode, forward+backward): {flops:.4g}")

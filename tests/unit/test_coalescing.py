@@ -9,14 +9,16 @@ from zerotrain.shard.io import CollectiveIO
 from zerotrain.shard.staging import StagingBatch, StagingPool
 from zerotrain.zero.issue import (
     COALESCE_NUMEL,
-    SMALL_UNIT_NUMEL,
     batch_all_gathers,
     batch_small_units,
+    reduce_batch_numel,
 )
 
+SMALL_UNIT_NUMEL = COALESCE_NUMEL // 8
 
-def _runs(sizes, kinds=None):
-    return [list(r) for r in batch_small_units(sizes, kinds or ["f32"] * len(sizes))]
+
+def _runs(sizes, kinds=None, cap=COALESCE_NUMEL):
+    return [list(r) for r in batch_small_units(sizes, kinds or ["f32"] * len(sizes), cap)]
 
 
 def test_runs_of_small_units_share_a_batch_and_a_large_one_goes_alone():
@@ -32,6 +34,14 @@ def test_batches_stop_at_the_coalescing_limit_and_at_a_change_of_kind():
     assert _runs([n] * (per_batch + 1)) == [list(range(per_batch)), [per_batch]]
     assert _runs([1, 2, 3, 4], ["f32", "f32", "bf16", "bf16"]) == [[0, 1], [2, 3]]
     assert _runs([1, 2, 3], ["f32", None, "f32"]) == [[0], [1], [2]]  # None: never batched
+
+
+def test_reduce_bucket_size_bounds_the_batches():
+    assert reduce_batch_numel(None) == COALESCE_NUMEL
+    assert reduce_batch_numel(5 * 10**8) == COALESCE_NUMEL  # DeepSpeed's default: capped
+    assert reduce_batch_numel(4000) == 4000
+    assert _runs([500, 500, 501, 500], cap=4000) == [[0, 1], [2], [3]]  # small: cap // 8
+    assert _runs([10, 10], cap=reduce_batch_numel(0)) == [[0], [1]]  # 0: every unit alone
 
 
 def _gather(numel: int, dtype=torch.float32) -> CollectiveIO:

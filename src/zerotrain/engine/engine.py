@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -55,7 +56,7 @@ from zerotrain.engine.telemetry import Telemetry, TelemetryPolicy
 from zerotrain.engine.verdict import PendingStep, pending_step, undo_schedule
 from zerotrain.estimate import MemoryEstimate
 from zerotrain.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
-from zerotrain.optim.base import skips_on_device
+from zerotrain.optim.base import FlatOptimizer, skips_on_device
 from zerotrain.optim.clip import clip_coefficient
 from zerotrain.parallel.groups import ProcessGroups
 from zerotrain.parallel.sequence import shard_batch
@@ -159,6 +160,8 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         # After a step found skipped that way, verdicts are taken on the host (before the
         # step, naming the parameter) until a step is finite again.
         self._verdict_on_host = False
+        if isinstance(self.optimizer, FlatOptimizer):
+            self.optimizer.settle_verdict = weakref.WeakMethod(self._settle_verdict)
         self._consecutive_skips = 0  # fp32/bf16 steps skipped in a row for inf/NaN
         self._step_applied = True
         self._compiled = False

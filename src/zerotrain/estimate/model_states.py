@@ -20,7 +20,7 @@ import torch
 
 from zerotrain.comm.buckets import plan_buckets
 from zerotrain.estimate.shapes import ModelShape, UnitShape
-from zerotrain.zero.issue import COALESCE_NUMEL, SMALL_UNIT_NUMEL, batch_small_units
+from zerotrain.zero.issue import batch_small_units, reduce_batch_numel
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import auto_bucket_numel
 
@@ -195,17 +195,18 @@ def _staging(units: list[UnitShape], has_root: bool, setup: ZeroSetup, held: int
     # the largest batch possible.
     blocks = units[:-1] if has_root else units
     sizes = [_padded(u.numel, setup) for u in [*reversed(blocks), *units[len(blocks) :]]]
-    batches = batch_small_units(sizes, [0] * len(sizes))
+    cap = reduce_batch_numel(setup.bucket_numel)
+    batches = batch_small_units(sizes, [0] * len(sizes), cap)
     singles = [b for b in batches if len(b) == 1]
     grouped = [b for b in batches if len(b) > 1]
     root_single = has_root and len(batches[-1]) == 1
     count = (2 if (setup.overlaps or root_single) and len(singles) > 1 else 1) if singles else 0
     staging = count * largest
     if grouped:
-        small = sum(n for n in sizes if n <= SMALL_UNIT_NUMEL)
+        small = sum(n for n in sizes if n <= cap // 8)
         root_grouped = has_root and len(batches[-1]) > 1
         second = (setup.overlaps or root_grouped) and len(grouped) > 1
-        staging += (2 if second else 1) * min(small, COALESCE_NUMEL)
+        staging += (2 if second else 1) * min(small, cap)
     return staging * setup.comm_bytes
 
 

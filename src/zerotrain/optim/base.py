@@ -37,6 +37,22 @@ class FlatOptimizer(torch.optim.Optimizer):
     # Set by the engine around a step whose inf/NaN verdict stays on the device (1.0: skip);
     # honoured by optimizers whose ``skips_on_device`` says so.
     found_inf: torch.Tensor | None = None
+    # The engine's reader of such a verdict (weakly: the engine holds this optimizer).
+    settle_verdict: Callable[[], Callable[[], None] | None] | None = None
+    _overflow = False
+
+    @property
+    def overflow(self) -> bool:
+        """DeepSpeed's flag: whether the last optimizer step was skipped for inf/NaN
+        gradients (reading it reads a verdict the step left on the device)."""
+        settle = self.settle_verdict() if self.settle_verdict is not None else None
+        if settle is not None:
+            settle()
+        return self._overflow
+
+    @overflow.setter
+    def overflow(self, value: bool) -> None:
+        self._overflow = value
 
     def skips_on_device(self) -> bool:
         """Whether ``step()`` honours ``found_inf`` in its kernels (see ``skips_on_device``)."""
@@ -77,10 +93,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours a ``found_inf`` attribute (a 0-d float tensor on
     the parameters' device; 1.0: leave parameters, moments and step counts as they are)
-    inside its kernel, so that an inf/NaN step is skipped with no host sync: torch's fused
-    Adam and AdamW (as GradScaler drives them), and zerotrain's Adam where it runs torch's
-    fused kernel."""
-    if isinstance(optimizer, FlatOptimizer):
-        return optimizer.skips_on_device()
-    fused_torch = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-    return fused_torch and bool(optimizer.defaults.get("fused"))
+    inside its kernel, so that an inf/NaN step is skipped with no host sync, and reads the
+    verdict when its ``overflow`` is asked: zerotrain's Adam where it runs torch's fused
+    kernel (as torch's GradScaler drives fused optimizers)."""
+    return isinstance(optimizer, FlatOptimizer) and optimizer.skips_on_device()

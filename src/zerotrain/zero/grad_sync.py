@@ -23,13 +23,7 @@ from zerotrain.shard.staging import StagingBatch, StagingPool, StagingSource
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import InvariantError, invariant
 from zerotrain.utils.logging import get_logger
-from zerotrain.zero.issue import (
-    COALESCE_NUMEL,
-    SMALL_UNIT_NUMEL,
-    batch_small_units,
-    issue,
-    issue_reduce_scatters,
-)
+from zerotrain.zero.issue import batch_small_units, issue, issue_reduce_scatters
 
 log = get_logger(__name__)
 
@@ -72,9 +66,10 @@ class GradientSynchronizer:
         on_outside_grad: called before a gradient produced by a backward pass other than
             the engine's own (``begin_backward`` .. ``wait``) is accumulated into a
             parameter; such gradients stay in ``param.grad``, as plain PyTorch keeps them.
-        coalesce: reduce consecutive small units (in launch order) in one collective,
-            launched when the last of them is done (``launch_when_complete`` False only).
-            Their staging comes from ``pools``, one per dtype, sized for the largest batch.
+        coalesce_numel: reduce consecutive small units (in launch order) in one
+            collective of up to this many elements, launched when the last of them is done
+            (``launch_when_complete`` False only; 0: every unit alone). Their staging comes
+            from ``pools``, one per dtype, sized for the largest batch.
     """
 
     def __init__(
@@ -86,9 +81,10 @@ class GradientSynchronizer:
         on_complete: Callable[[int], None] | None = None,
         launch_when_complete: bool = True,
         on_outside_grad: Callable[[], None] | None = None,
-        coalesce: bool = False,
+        coalesce_numel: int = 0,
     ) -> None:
-        invariant(not (coalesce and launch_when_complete), "coalescing needs mark_done")
+        invariant(not (coalesce_numel and launch_when_complete), "coalescing needs mark_done")
+        self.coalesce_numel = coalesce_numel
         self.units = list(units)
         self.comm = comm
         self.overlap = overlap
@@ -112,7 +108,7 @@ class GradientSynchronizer:
         self._own_pool = [unit.pool for unit in self.units]
         self.pools: list[StagingPool] = []
         self._batch_pools: dict[int, StagingPool] = {}
-        if coalesce:
+        if coalesce_numel:
             self._make_batch_pools()
         self._handles: list[Handle] = []
         self._syncing = False
@@ -162,21 +158,21 @@ class GradientSynchronizer:
 
     def _make_batch_pools(self) -> None:
         """One pool per staging pool that small units use, its buffers as large as the
-        largest batch can be: every small unit of it, up to COALESCE_NUMEL."""
+        largest batch can be: every small unit of it, up to ``coalesce_numel``."""
         small: dict[int, tuple[StagingPool, int]] = {}
         for pool, unit in zip(self._own_pool, self.units, strict=True):
             numel = unit.buffer.layout.padded_numel
-            if isinstance(pool, StagingPool) and numel <= SMALL_UNIT_NUMEL:
+            if isinstance(pool, StagingPool) and numel <= self.coalesce_numel // 8:
                 total = small.get(id(pool), (pool, 0))[1]
                 small[id(pool)] = (pool, total + numel)
         for key, (pool, total) in small.items():
-            batch_pool = StagingPool(min(total, COALESCE_NUMEL), pool.dtype, pool.device)
+            batch_pool = StagingPool(min(total, self.coalesce_numel), pool.dtype, pool.device)
             self._batch_pools[key] = batch_pool
             self.pools.append(batch_pool)
 
     def _plan_batches(self) -> None:
         """Group runs of small units of one dtype in launch order into batches (each up
-        to COALESCE_NUMEL elements) and point their staging at the batch's buffer; every
+        to ``coalesce_numel`` elements) and point their staging at the batch's buffer; every
         other unit is a batch of one with its own pool. The same on every rank."""
         n = len(self.units)
         for pool in self.pools:
@@ -188,7 +184,7 @@ class GradientSynchronizer:
 
         order = self._order
         sizes = [self.units[u].buffer.layout.padded_numel for u in order]
-        runs = batch_small_units(sizes, [kind(u) for u in order])
+        runs = batch_small_units(sizes, [kind(u) for u in order], self.coalesce_numel)
         self._batch_end = [p + 1 for p in range(n)]
         self._batch_start = list(range(n))
         for run in runs:

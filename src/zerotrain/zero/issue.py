@@ -38,28 +38,31 @@ def issue(comm: Communicator, io: CollectiveIO, *, async_op: bool = True) -> Han
 COALESCE_NUMEL = 1 << 20
 
 
-# Units this small (padded elements) are reduced together with their neighbours in launch
-# order, up to COALESCE_NUMEL elements a collective: on a model of many small units (every
-# stage-3 block below a few hundred thousand parameters) each reduction is latency-bound,
-# and one collective per unit costs the step more than the arithmetic does.
-SMALL_UNIT_NUMEL = COALESCE_NUMEL // 8
+def reduce_batch_numel(bucket_numel: int | None) -> int:
+    """Stage 3: the most elements one gradient reduce-scatter carries for a batch of small
+    units: ``reduce_bucket_size`` (DeepSpeed's stage-3 reduction buckets) up to
+    ``COALESCE_NUMEL``; unset: ``COALESCE_NUMEL``; 0: no batches."""
+    return COALESCE_NUMEL if bucket_numel is None else min(bucket_numel, COALESCE_NUMEL)
 
 
-def batch_small_units(sizes: Sequence[int], kinds: Sequence[object]) -> list[range]:
+def batch_small_units(sizes: Sequence[int], kinds: Sequence[object], cap: int) -> list[range]:
     """Positions ``0..len(sizes)-1`` (units in launch order, by padded size) cut into
-    consecutive batches: runs of small units (at most ``SMALL_UNIT_NUMEL``) of one kind
-    (dtype and device; None: never batched) share a batch up to ``COALESCE_NUMEL``
-    elements; every other unit is a batch of its own."""
+    consecutive batches: runs of small units (at most ``cap // 8`` elements) of one kind
+    (dtype and device; None: never batched) share a batch up to ``cap`` elements; every
+    other unit is a batch of its own.
+
+    On a model of many small units (every stage-3 block below a few hundred thousand
+    parameters) each reduction is latency-bound, and one collective per unit costs the
+    step more than its arithmetic does."""
+    small_numel = cap // 8
     batches: list[range] = []
     filled = 0
     for k, (numel, kind) in enumerate(zip(sizes, kinds, strict=True)):
-        small = kind is not None and numel <= SMALL_UNIT_NUMEL
+        small = kind is not None and numel <= small_numel
         if k and small:
             previous = batches[-1].stop - 1
             joins = (
-                kinds[previous] == kind
-                and sizes[previous] <= SMALL_UNIT_NUMEL
-                and filled + numel <= COALESCE_NUMEL
+                kinds[previous] == kind and sizes[previous] <= small_numel and filled + numel <= cap
             )
             if joins:
                 batches[-1] = range(batches[-1].start, k + 1)

@@ -34,7 +34,7 @@ from zerotrain.zero.grad_norms import GradNorms
 from zerotrain.zero.grad_sync import GradientSynchronizer
 from zerotrain.zero.homes import Home, register, unregister
 from zerotrain.zero.init import replaying
-from zerotrain.zero.issue import issue, issue_all_gathers
+from zerotrain.zero.issue import issue, issue_all_gathers, reduce_batch_numel
 from zerotrain.zero.outside_writes import OutsideWrites
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
@@ -63,7 +63,8 @@ class ZeroStrategy:
     Args:
         trainable: every parameter that receives gradients, tagged with its optimizer group.
         num_params: number of parameters of the model (ids run ``0 .. num_params - 1``).
-        bucket_numel: elements per unit (None: sized from the model).
+        bucket_numel: elements per unit (None: sized from the model); at stage 3, the
+            most a batch of small units' gradient reductions carries (``reduce_batch_numel``).
         comm: collectives over the data-parallel group.
         zero: what is partitioned.
         reduce: how gradients are averaged.
@@ -160,7 +161,7 @@ class ZeroStrategy:
             on_complete=self._unit_complete if self.gatherer is not None else None,
             launch_when_complete=self.gatherer is None,
             on_outside_grad=self._drop_outside_grads_if_zeroed,
-            coalesce=self.gatherer is not None,
+            coalesce_numel=reduce_batch_numel(bucket_numel) if self.gatherer is not None else 0,
         )
         self.pools += self.sync.pools
         if self.gatherer is not None:
