@@ -21,16 +21,19 @@ warm-up steps each), so that both see the same load on a noisy machine; a window
 is its slower rank's, and the ratio reported is the median of the 5 rounds' ratios (with
 their range).
 
-    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py [--worlds 1 2] [--stages 0 1 2 3]
+    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py [--worlds 1 2] [--stages 0 1 2 3] \
+        [--json rows.json]; python benchmarks/host_overhead.py --plot a.json b.json --png x.png
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,8 +166,20 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--top", type=int, default=0, help="print the N ops the engine adds most")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--plot", nargs="+", type=Path, metavar="ROWS.json",
+        help="draw step-time ratios of earlier --json files (labelled by file name) into "
+        "--png, and run nothing",
+    )  # fmt: skip
+    parser.add_argument("--png", type=Path, default=Path("host_overhead.png"))
     args = parser.parse_args()
+    if args.plot:
+        plot(args.plot, args.png)
+        return
     from zerotrain.testing.dist import run_distributed
+
+    rows = []
 
     columns = (
         "world", "precision", "stage", "ops: engine / hand", "time: engine / hand (range)",
@@ -189,6 +204,12 @@ def main() -> None:
                 engine_ms = 1e3 * statistics.median(e for _, e in rounds)
                 hand_ops = sum(ranks[0]["hand_ops"].values())
                 engine_ops = sum(ranks[0]["engine_ops"].values())
+                rows.append(
+                    {"world": world, "precision": precision, "stage": stage,
+                     "ops_ratio": engine_ops / hand_ops, "time_ratios": ratios}
+                )  # fmt: skip
+                if args.json:
+                    args.json.write_text(json.dumps(rows, indent=1))
                 print(
                     f"| {world} | {precision} | {stage} | {engine_ops / hand_ops:.2f} | "
                     f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
@@ -202,6 +223,41 @@ def main() -> None:
                         "    most added:",
                         ", ".join(f"{op} {n:+d}" for op, n in extra.most_common(args.top)),
                     )
+
+
+def plot(files: list[Path], png: Path) -> None:
+    """Engine / hand-loop step time (median of the rounds, bars; their range, whiskers)
+    per (world, precision, stage), one bar per file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(f.stem, json.loads(f.read_text())) for f in files]
+    keys = [(r["world"], r["precision"], r["stage"]) for r in runs[0][1]]
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(keys)), 4.5))
+    width = 0.8 / len(runs)
+    for i, (label, rows) in enumerate(runs):
+        by_key = {(r["world"], r["precision"], r["stage"]): r["time_ratios"] for r in rows}
+        xs, mids, lows, highs = [], [], [], []
+        for x, key in enumerate(keys):
+            if key in by_key:
+                ratios = sorted(by_key[key])
+                mid = statistics.median(ratios)
+                xs.append(x + i * width)
+                mids.append(mid)
+                lows.append(mid - ratios[0])
+                highs.append(ratios[-1] - mid)
+        ax.bar(xs, mids, width, yerr=[lows, highs], capsize=2, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.15, color="grey", linestyle="--", linewidth=0.8, label="stage-3 target 1.15")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
+    ax.set_xticklabels([f"w{w} {p}\ns{s}" for w, p, s in keys], fontsize=7)
+    ax.set_ylabel("step time, engine / hand loop")
+    ax.set_title("benchmarks/host_overhead.py: median of 5 alternating rounds (range)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
 
 
 if __name__ == "__main__":
