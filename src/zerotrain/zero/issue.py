@@ -127,13 +127,10 @@ def _issue_combined(comm: Communicator, ios: Sequence[CollectiveIO]) -> Handle:
                 if io.keep_version:
                     guards.enter_context(preserve_version_counter(io.output))
             torch._foreach_copy_(targets, list(columns))
-        for io in ios:
-            if io.on_done is not None:
-                io.on_done()
+        _each_done(ios)
 
-    label = f"{ios[0].label} .. {ios[-1].label} ({len(ios)} units)"
     return comm.all_gather_into(
-        gathered, packed, purpose=ios[0].purpose, async_op=True, on_done=unpack, label=label
+        gathered, packed, purpose=ios[0].purpose, async_op=True, on_done=unpack, label=_label(ios)
     )
 
 
@@ -160,11 +157,20 @@ def issue_reduce_scatters(comm: Communicator, ios: Sequence[CollectiveIO]) -> Ha
 
     def unpack() -> None:
         torch._foreach_copy_([io.output for io in ios], list(reduced.split(sizes)))
-        for io in ios:
-            if io.on_done is not None:
-                io.on_done()
+        _each_done(ios)
 
-    label = f"{ios[0].label} .. {ios[-1].label} ({len(ios)} units)"
     return comm.reduce_scatter(
-        reduced, packed, purpose=ios[0].purpose, async_op=True, on_done=unpack, label=label
+        reduced, packed, purpose=ios[0].purpose, async_op=True, on_done=unpack, label=_label(ios)
     )
+
+
+def _each_done(ios: Sequence[CollectiveIO]) -> None:
+    """Run each io's ``on_done``, in order (their results are in their outputs)."""
+    for io in ios:
+        if io.on_done is not None:
+            io.on_done()
+
+
+def _label(ios: Sequence[CollectiveIO]) -> str:
+    """How messages name a collective carrying several units'."""
+    return f"{ios[0].label} .. {ios[-1].label} ({len(ios)} units)"
