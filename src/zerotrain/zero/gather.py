@@ -25,8 +25,10 @@ exchanging the wrong parameters.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -115,11 +117,18 @@ class ParamGatherer:
         self._storage = [self._partitioned(u) for u in self.units]
         self._pending: dict[int, Handle] = {}
         self._trace: list[int] = []  # units in the order the previous forward pass used them
+        # Made from the trace once per pass, for the prefetch of every module call: each
+        # unit's position in it, and the units that are not persistent (the only ones a
+        # prefetch gathers) with their positions.
+        self._trace_position: dict[int, int] = {}
+        self._fetchable: list[int] = []
+        self._fetchable_at: list[int] = []
         self._modules = list(modules)
         # Units the next forward pass will not run (progressive layer drop told us): never
         # prefetched from the previous pass's order.
         self._skipped: set[int] = set()
         self._current: list[int] = []
+        self._current_set: set[int] = set()
         self._in_forward = 0
         self.counts = [0] * len(self.units)
         self.sequence_hash = 0
@@ -270,9 +279,7 @@ class ParamGatherer:
         budget = self.policy.prefetch_numel
         for v in candidates:
             storage = self._storage[v]
-            if self.units[v].persistent:
-                continue
-            numel = storage.layout.padded_numel
+            numel = storage.layout.padded_numel  # (persistent units are not candidates)
             if budget < numel:
                 storage.prefetch_shard()
                 break
@@ -287,12 +294,28 @@ class ParamGatherer:
         for _, v in zip(range(self.read_ahead - 1), candidates, strict=False):
             self._storage[v].prefetch_shard()
 
+    def _set_trace(self, trace: list[int]) -> None:
+        self._trace = trace
+        self._trace_position = {u: i for i, u in enumerate(trace)}
+        fetchable = [(i, u) for i, u in enumerate(trace) if not self.units[u].persistent]
+        self._fetchable_at = [i for i, _ in fetchable]
+        self._fetchable = [u for _, u in fetchable]
+
     def _after_in_trace(self, u: int, step: int) -> Iterator[int]:
-        if u not in self._trace:
+        """The units a prefetch may gather after ``u`` in the previous pass's order
+        (``step`` > 0: forward; < 0: backward, the units before it, nearest first)."""
+        i = self._trace_position.get(u)
+        if i is None:
             return iter(())
-        i = self._trace.index(u)
-        order = self._trace[i + 1 :] if step > 0 else self._trace[:i][::-1]
-        return iter(v for v in order if v not in self._skipped)
+        if step > 0:
+            order: Iterator[int] = itertools.islice(
+                self._fetchable, bisect.bisect_right(self._fetchable_at, i), None
+            )
+        else:
+            before = bisect.bisect_left(self._fetchable_at, i)
+            order = (self._fetchable[k] for k in range(before - 1, -1, -1))
+        skipped = self._skipped
+        return (v for v in order if v not in skipped) if skipped else order
 
     def skip_in_next_pass(self, modules: Sequence[nn.Module]) -> None:
         """The next forward pass will not call ``modules`` (a dropped layer): their units
@@ -310,7 +333,8 @@ class ParamGatherer:
             # A forward recomputed inside backward (activation checkpointing): backward
             # prefetches the units before this one; the ones after it are done already.
             return None
-        if u not in self._current:
+        if u not in self._current_set:
+            self._current_set.add(u)
             self._current.append(u)
         self._prefetch(self._after_in_trace(u, +1))
         if not torch.is_grad_enabled():
@@ -419,6 +443,7 @@ class ParamGatherer:
         self._in_forward += 1
         if self._in_forward == 1:
             self._current = []
+            self._current_set = set()
             self._recording = (
                 self._new_pass() if torch.is_grad_enabled() and not in_backward() else None
             )
@@ -433,7 +458,7 @@ class ParamGatherer:
             if recorded is not None and not any(recorded.calls):
                 self._passes.discard(recorded)  # nothing to signal: no backward reaches it
             if not self._user_pins:  # a pass inside GatheredParameters may run on one rank
-                self._trace = self._current
+                self._set_trace(self._current)
             self._skipped = set()
             self.free_all()  # prefetched units the pass did not use after all
 
