@@ -38,7 +38,12 @@ WARMUP = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_step
 
 
 def _train(
-    stage: int, dtype: str, poison: list[int], section: dict[str, Any], schedule: bool = False
+    stage: int,
+    dtype: str,
+    poison: list[int],
+    section: dict[str, Any],
+    schedule: bool = False,
+    query: bool = False,
 ) -> dict:
     """Train STEPS steps; at each step in ``poison`` rank 1 turns ``wpe.weight``'s gradient
     into NaN. Returns what happened on this rank."""
@@ -67,13 +72,15 @@ def _train(
     tokens = torch.randint(
         0, 256, (STEPS, 2, CFG.block_size + 1), generator=torch.Generator().manual_seed(1)
     )
-    snapshots, error, lrs = [], None, []
+    snapshots, error, lrs, counted = [], None, [], []
     try:
         for step in range(STEPS):
             state["step"] = step
             engine.backward(engine(tokens[step, :, :-1], tokens[step, :, 1:]))
             engine.step()
             lrs.append(engine.get_lr_of_last_step()[0])
+            if query:
+                counted.append(engine.skipped_steps)  # reads the verdict; never raises
             with zerotrain.zero.GatheredParameters(list(model.parameters())):
                 snapshots.append(
                     torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
@@ -87,6 +94,7 @@ def _train(
         "warnings": captured.messages,
         "error": error,
         "lrs": lrs,
+        "counted": counted,
         "next_lr": engine.get_lr()[0],
     }
 
@@ -128,6 +136,20 @@ def test_a_skipped_step_does_not_advance_the_schedule():
         assert used[1] != used[2] != used[3]  # still warming up: every step moves the rate
         assert r["lrs"] == [*used[:3], *used[2:5]]
         assert r["next_lr"] == used[5]
+
+
+def test_a_query_reads_the_verdict_and_the_next_update_raises():
+    """With max_consecutive_skips 1, step 2's skip (decided on the device) reaches the
+    limit when ``skipped_steps`` reads its verdict: the query returns the count, and the
+    next step's update raises, before that step changes anything."""
+    section = {"max_consecutive_skips": 1}
+    for r in run_distributed(_train, 2, 1, "fp32", [1], section, False, True, timeout=120):
+        assert r["counted"] == [0, 1], r["counted"]
+        assert r["error"] is not None, r
+        assert "step 2" in r["error"], r["error"]
+        assert "max_consecutive_skips=1" in r["error"], r["error"]
+        assert len(r["snapshots"]) == 2  # steps 1-2 recorded; the 3rd step's update raised
+        assert torch.equal(r["snapshots"][1], r["snapshots"][0])
 
 
 def test_consecutive_skips_raise_naming_the_key():

@@ -452,9 +452,11 @@ def _blocks_in_another_order_on_rank_one() -> None:
     with zerotrain.zero.GatheredParameters(list(model.parameters())):
         after = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "step applied"
-    # The step's verdict stayed on the device (the optimizer skipped it there); reading it
-    # (the next step, or any query of it) raises.
-    engine.was_step_applied()
+    # The step's verdict stayed on the device (the optimizer skipped it there): a query
+    # reads it without raising, and the next step's update raises.
+    assert not engine.was_step_applied()
+    engine.backward(engine(x, y))
+    engine.step()
 
 
 def test_gathers_that_match_in_size_but_not_in_unit_are_caught_at_the_step():

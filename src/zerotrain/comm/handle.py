@@ -95,8 +95,12 @@ class Handle:
             message = failure_message(self._describe(), exc, self._hint, self._explain)
             raise CollectiveError(message) from exc
         self._finished = True
-        if self._on_done is not None:
-            self._on_done()
+        # Drop what the operations and the callback held (buffers of a combined
+        # collective): a finished handle kept for later waits must not keep them alive.
+        self._works = []
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done()
 
 
 def describe_tensor(tensor: torch.Tensor) -> str:

@@ -68,6 +68,7 @@ from zerotrain.utils.logging import get_logger
 from zerotrain.utils.torch_compat import queue_end_of_backward
 from zerotrain.utils.tree import tensors_in
 from zerotrain.zero.strategy import ZeroStrategy
+from zerotrain.zero.unused_params import DivergedRanksError
 
 log = get_logger(__name__)
 
@@ -160,6 +161,8 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         # After a step found skipped that way, verdicts are taken on the host (before the
         # step, naming the parameter) until a step is finite again.
         self._verdict_on_host = False
+        # What reading a verdict outside an update found to raise (by the next update).
+        self._verdict_error: Exception | None = None
         if isinstance(self.optimizer, FlatOptimizer):
             self.optimizer.settle_verdict = weakref.WeakMethod(self._settle_verdict)
         self._consecutive_skips = 0  # fp32/bf16 steps skipped in a row for inf/NaN
@@ -555,9 +558,14 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
 
     def _settle_verdict(self, in_update: bool = False) -> None:
         """Read the verdict of a step that left it on the device: a skipped step is
-        counted, its schedule put back, and logged (or raised: ``max_consecutive_skips``,
-        or stage-3 ranks that gathered differently; ``in_update``: the next step's
-        gradients are reduced already, and are dropped then)."""
+        counted, its schedule put back, and logged, or raised (``max_consecutive_skips``,
+        or stage-3 ranks that gathered differently) by the next step's update: a query
+        (``skipped_steps``, ``get_lr()``, a checkpoint) never raises. ``in_update``: the
+        next step's gradients are reduced already, and are dropped when it raises."""
+        if in_update and self._verdict_error is not None:
+            error, self._verdict_error = self._verdict_error, None
+            self.strategy.skip_step()  # close the window whose step will not run
+            raise error
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -575,9 +583,11 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 self.strategy.used.check_same_gathers(pending.prints)  # raises if they diverged
             where = self.strategy.first_nonfinite_unit(pending.squares)
             self._after_skip(pending.step, pending.norm, self._where_detail(where))
-        except Exception:
-            if in_update:
-                self.strategy.skip_step()  # close the window whose step will not run
+        except (FloatingPointError, DivergedRanksError) as error:
+            if not in_update:
+                self._verdict_error = error  # raised by the next step's update
+                return
+            self.strategy.skip_step()  # close the window whose step will not run
             raise
 
     @staticmethod
@@ -854,7 +864,10 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
                 "its own checkpoint dict, which zerotrain's sharded format does not have; "
                 "load the checkpoint, then change the model's weights yourself"
             )
-        self._pending = None  # what is loaded replaces what the last step's verdict would set
+        # The last step's verdict first (counters and schedule as it leaves them, for what
+        # the load keeps); what it would raise is dropped: loading is how one recovers.
+        self._settle_verdict()
+        self._verdict_error = None
         # strict: zerotrain's earlier name of load_module_strict; either False relaxes.
         strict = load_module_strict and (strict is None or strict)
         path, client_state, report = load_checkpoint(

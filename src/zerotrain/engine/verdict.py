@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zerotrain.optim.base import GROUP_LAYOUT_KEYS
 from zerotrain.utils.device import HostCopy
 
 
@@ -36,7 +37,8 @@ class PendingStep:
         prints: stage 3's exchanged gather fingerprints (ranks that gathered differently
             set ``found_inf`` too; None below stage 3).
         schedule: the scheduler's state before the step moved it (None: no scheduler).
-        lrs: the param groups' rates before the scheduler moved them.
+        groups: the param groups' hyperparameters before the scheduler moved them (the
+            rate, and what a schedule may move with it: momentum, betas).
     """
 
     step: int
@@ -45,7 +47,7 @@ class PendingStep:
     squares: list[tuple[int, torch.Tensor]]
     prints: torch.Tensor | None
     schedule: dict[str, Any] | None
-    lrs: list[float]
+    groups: list[dict[str, Any]]
 
 
 def pending_step(
@@ -59,15 +61,11 @@ def pending_step(
 ) -> PendingStep:
     """Record a step that ran with ``found_inf`` (call before the scheduler steps)."""
     schedule = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
-    return PendingStep(
-        step,
-        HostCopy(found_inf),
-        norm,
-        squares,
-        prints,
-        schedule,
-        [float(group["lr"]) for group in optimizer.param_groups],
-    )
+    groups = [
+        {key: copy.copy(value) for key, value in group.items() if key not in GROUP_LAYOUT_KEYS}
+        for group in optimizer.param_groups
+    ]
+    return PendingStep(step, HostCopy(found_inf), norm, squares, prints, schedule, groups)
 
 
 def undo_schedule(pending: PendingStep, scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -75,5 +73,5 @@ def undo_schedule(pending: PendingStep, scheduler: Any, optimizer: torch.optim.O
     step does not advance the schedule, as in DeepSpeed)."""
     if pending.schedule is not None:
         scheduler.load_state_dict(pending.schedule)
-    for group, lr in zip(optimizer.param_groups, pending.lrs, strict=True):
-        group["lr"] = lr
+    for group, saved in zip(optimizer.param_groups, pending.groups, strict=True):
+        group.update(saved)

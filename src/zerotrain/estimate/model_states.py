@@ -177,11 +177,12 @@ def _staging(units: list[UnitShape], has_root: bool, setup: ZeroSetup, held: int
     """Gradient staging buffers (stages 2-3): buffers sized by the largest unit, and at
     stage 3 buffers for the batches of small units reduced together.
 
-    A second buffer is allocated when one reduction is in flight while the next unit fills
-    (``overlap_comm``), and at stage 3 whenever there is a root unit: its early gradients
-    (final norm, head) stay staged through the whole backward pass while the blocks' come
-    and go. ``held`` units (a pipeline stage's tied modules, summed across stages only after
-    the step's last backward) each keep a buffer of their own through the step.
+    A second buffer is allocated when one reduction is in flight while the next unit (or
+    batch) fills (``overlap_comm``), and at stage 3 whenever the root unit stages through
+    that pool: its early gradients (final norm, head) stay staged through the whole
+    backward pass while the blocks' come and go. ``held`` units (a pipeline stage's tied
+    modules at stages 0-2, summed across stages only after the step's last backward) each
+    keep a buffer of their own through the step.
     """
     if setup.stage < 2 or not units:
         return 0

@@ -24,9 +24,10 @@ class HostCopy:
         self._event: torch.cuda.Event | None = None
         if value.device.type == "cuda":
             self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            self._host.copy_(value, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            with torch.cuda.device(value.device):  # the copy and its event on one stream
+                self._host.copy_(value, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
         elif value.device.type == "cpu":
             self._host = value
         else:  # other accelerators: a plain (blocking) copy

@@ -19,6 +19,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from zerotrain.comm.collectives import Communicator, Handle
+from zerotrain.shard.grads import ShardedGradients
 from zerotrain.shard.staging import StagingBatch, StagingPool, StagingSource
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import InvariantError, invariant
@@ -99,12 +100,17 @@ class GradientSynchronizer:
         # (``launch_last``); the same on every rank.
         self._order = list(range(len(self.units)))
         self._position = list(range(len(self.units)))
-        # Batches of positions in ``_order`` launched as one collective: the end position
-        # of the batch starting at each position, the start of each unit's batch, and how
-        # many members of the batch starting at each position are not done yet.
-        self._batch_end = [p + 1 for p in self._order]
-        self._batch_start = list(self._order)
+        # Batches of positions in ``_order`` launched as one collective (_plan_batches):
+        # the end position of the batch starting at each position, the start of each
+        # unit's batch, and how many members of the batch starting at each position are
+        # not done yet.
+        self._batch_end: list[int] = []
+        self._batch_start: list[int] = []
         self._missing = [1] * len(self.units)
+        # Combined collectives in flight (each holds packing buffers of its batch's size):
+        # at most two, the older waited for before a third starts.
+        self._combined: list[Handle] = []
+        self._replan = False  # the launch order changed while gradients were staged
         self._own_pool = [unit.pool for unit in self.units]
         self.pools: list[StagingPool] = []
         self._batch_pools: dict[int, StagingPool] = {}
@@ -175,6 +181,14 @@ class GradientSynchronizer:
         to ``coalesce_numel`` elements) and point their staging at the batch's buffer; every
         other unit is a batch of one with its own pool. The same on every rank."""
         n = len(self.units)
+        self._replan = self._anything_staged()
+        if self._replan:
+            # Units holding staged gradients (a window without synchronisation) keep their
+            # staging until it is reduced: every unit goes alone until then, and the batches
+            # are planned again at the first backward with nothing staged.
+            self._batch_end = [p + 1 for p in range(n)]
+            self._batch_start = list(range(n))
+            return
         for pool in self.pools:
             pool.forget_views()  # the batches they were made for are replaced
 
@@ -202,11 +216,18 @@ class GradientSynchronizer:
             for u, member in zip(members, batch.members, strict=True):
                 self.units[u].stage_through(member)
 
+    def _anything_staged(self) -> bool:
+        return any(
+            isinstance(unit.grads, ShardedGradients) and unit.grads.staged for unit in self.units
+        )
+
     def begin_backward(self, boundary: bool, requires_sync: bool = True) -> None:
         """Arm the hooks for one backward pass (``boundary``: last micro-step of a window;
         ``requires_sync`` False: keep this pass's gradients on this rank, unreduced, for a
         later pass to reduce together with its own, as DDP's ``no_sync``)."""
         invariant(not self._handles, "previous backward's reductions were never finished")
+        if self._replan and not self._anything_staged():
+            self._plan_batches()
         self._final = boundary and requires_sync
         self._syncing = requires_sync and (boundary or self.every_micro_step)
         self._in_backward = True
@@ -310,7 +331,11 @@ class GradientSynchronizer:
         if len(ios) == 1 or self.comm.world_size == 1:  # alone, nothing moves: no packing
             handles = [issue(self.comm, io) for io in ios]
         else:
+            self._combined = [h for h in self._combined if not h.finished]
+            if len(self._combined) >= 2:
+                self._combined.pop(0).wait()
             handles = [issue_reduce_scatters(self.comm, ios)]
+            self._combined.append(handles[0])
         self._next = end
         if self.overlap:
             self._handles.extend(handles)
@@ -330,6 +355,7 @@ class GradientSynchronizer:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.wait()
+        self._combined = []
         self._syncing = False
         self._in_backward = False
 
@@ -343,6 +369,7 @@ class GradientSynchronizer:
         launched (every rank launched the same ones if they all failed alike), then reset
         every unit, discarding the gradients of the current accumulation window."""
         handles, self._handles = self._handles, []
+        self._combined = []
         try:
             for handle in handles:
                 handle.wait()
