@@ -187,7 +187,7 @@ class GradientSynchronizer:
             # staging until it is reduced: every unit goes alone until then, and the batches
             # are planned again at the first backward with nothing staged.
             self._batch_end = [p + 1 for p in range(n)]
-            self._batch_start = list(range(n))
+            self._batch_start = list(self._position)  # each unit starts its own batch
             return
         for pool in self.pools:
             pool.forget_views()  # the batches they were made for are replaced
