@@ -123,3 +123,64 @@ def _misuse() -> str:
 def test_step_inside_no_sync_is_refused() -> None:
     for message in run_distributed(_misuse, 2):
         assert "step() called inside engine.no_sync()" in message
+
+
+class _Chain(torch.nn.Module):
+    """Four small blocks (stage-3 units reduced together); ``cut`` detaches the input of
+    block 2, which then gets no module backward signal (it is launched last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, cut: bool = False) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = torch.tanh(block(x.detach() if cut and i == 2 else x))
+        return self.head(x)
+
+
+def _chain_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(6)]
+
+
+def _chain_train() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Chain()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": dict(PARITY_ADAM)},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    rows = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    batches = _chain_batches()
+    for step in range(3):
+        (x1, y1), (x2, y2) = batches[2 * step], batches[2 * step + 1]
+        with engine.no_sync():
+            engine.backward(torch.nn.functional.mse_loss(engine(x1[rows]), y1[rows]))
+        engine.backward(torch.nn.functional.mse_loss(engine(x2[rows], cut=True), y2[rows]))
+        engine.step()
+    with zerotrain.zero.GatheredParameters(model.parameters()):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_unit_that_loses_its_backward_signal_inside_no_sync() -> None:
+    """Stage 3 with small units reduced in batches: the sync pass's detached block changes
+    the launch order while the no_sync pass's gradients are staged. The units go alone
+    until nothing is staged, then are batched again (this raised an InvariantError when
+    the batches were re-planned at once), and training matches plain PyTorch."""
+    torch.manual_seed(0)
+    model = _Chain()
+    opt = torch.optim.AdamW(model.parameters(), **PARITY_ADAM)
+    batches = _chain_batches()
+    for step in range(3):
+        (x1, y1), (x2, y2) = batches[2 * step], batches[2 * step + 1]
+        torch.nn.functional.mse_loss(model(x1), y1).backward()
+        torch.nn.functional.mse_loss(model(x2, cut=True), y2).backward()
+        opt.step()
+        opt.zero_grad()
+    for result in run_distributed(_chain_train, 2):
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(result[name], value.detach(), atol=1e-6, rtol=0)
