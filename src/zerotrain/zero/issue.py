@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 
 import torch
 
+from zerotrain.comm.buckets import plan_buckets
 from zerotrain.comm.collectives import Communicator, Handle
 from zerotrain.shard.io import CollectiveIO
 from zerotrain.utils.invariant import invariant
@@ -54,22 +56,17 @@ def batch_small_units(sizes: Sequence[int], kinds: Sequence[object], cap: int) -
     On a model of many small units (every stage-3 block below a few hundred thousand
     parameters) each reduction is latency-bound, and one collective per unit costs the
     step more than its arithmetic does."""
-    small_numel = cap // 8
+
+    def run(k: int) -> object:
+        small = kinds[k] is not None and sizes[k] <= cap // 8
+        return ("small", kinds[k]) if small else ("alone", k)
+
     batches: list[range] = []
-    filled = 0
-    for k, (numel, kind) in enumerate(zip(sizes, kinds, strict=True)):
-        small = kind is not None and numel <= small_numel
-        if k and small:
-            previous = batches[-1].stop - 1
-            joins = (
-                kinds[previous] == kind and sizes[previous] <= small_numel and filled + numel <= cap
-            )
-            if joins:
-                batches[-1] = range(batches[-1].start, k + 1)
-                filled += numel
-                continue
-        batches.append(range(k, k + 1))
-        filled = numel
+    for _, members in itertools.groupby(range(len(sizes)), key=run):
+        positions = list(members)
+        first = positions[0]
+        for bucket in plan_buckets([sizes[k] for k in positions], cap):
+            batches.append(range(first + bucket.start, first + bucket.stop))
     return batches
 
 
@@ -77,18 +74,14 @@ def batch_all_gathers(ios: Sequence[CollectiveIO], cap: int = COALESCE_NUMEL) ->
     """Positions of ``ios`` (all-gathers) grouped into batches, in order: consecutive
     all-gathers of one dtype and device share a batch while their outputs together hold at
     most ``cap`` elements; a larger one goes alone."""
-    batches: list[list[int]] = []
-    filled, key = 0, None
-    for k, io in enumerate(ios):
+    for io in ios:
         invariant(io.op == "all_gather", f"batch_all_gathers given a {io.op}")
-        numel = io.output.numel()
-        this = (io.output.dtype, io.output.device)
-        if batches and this == key and filled + numel <= cap:
-            batches[-1].append(k)
-            filled += numel
-        else:
-            batches.append([k])
-            filled, key = numel, this
+    batches: list[list[int]] = []
+    kind = [(io.output.dtype, io.output.device) for io in ios]
+    for _, members in itertools.groupby(range(len(ios)), key=kind.__getitem__):
+        run = list(members)
+        numels = [ios[k].output.numel() for k in run]
+        batches += [[run[i] for i in bucket] for bucket in plan_buckets(numels, cap)]
     return batches
 
 
