@@ -191,7 +191,6 @@ class ShardedUnit:
         self.param_ids = tuple(param_ids)
         self.trainable = tuple(trainable) if trainable is not None else (True,) * len(params)
         self.trainable_count = sum(self.trainable)
-        self.pool: StagingSource | None = staging
         self.grads: FullGradients | ShardedGradients
         if zero.shard_gradients:
             invariant(staging is not None, "stage 2 needs a staging pool")
@@ -425,13 +424,17 @@ class ShardedUnit:
         self.grads.accept(index, staging)
         self.received.add(index)
 
+    @property
+    def pool(self) -> StagingSource | None:
+        """Where this unit's gradients are staged (None: stages 0-1, kept whole)."""
+        return self.grads.pool if isinstance(self.grads, ShardedGradients) else None
+
     def stage_through(self, source: StagingSource) -> None:
         """Stage gradients through ``source`` from now on (its slice of a batch reduced
         in one collective, or its own pool again); nothing may be staged now."""
         invariant(isinstance(self.grads, ShardedGradients), "only sharded gradients stage")
         grads: ShardedGradients = self.grads  # type: ignore[assignment]
         invariant(not grads.staged, f"{self.label}: restaged while gradients are staged")
-        self.pool = source
         grads.pool = source
 
     def grad_is_buffer_view(self, index: int, grad: torch.Tensor | None) -> bool:
