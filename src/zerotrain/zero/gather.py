@@ -47,7 +47,9 @@ from zerotrain.utils.tree import tensors_in
 from zerotrain.zero.homes import Home, register, unregister
 from zerotrain.zero.issue import issue
 
-_HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
+_HASH_MODULUS = 1 << 50
+# Argument types a tree flatten looks inside (a call passing one goes the general way).
+_CONTAINERS = (list, tuple, dict)  # exact in float64, so fingerprints survive an all-reduce
 
 
 class _PostBackward(torch.autograd.Function):
@@ -163,6 +165,10 @@ class ParamGatherer:
         # Why gathers are refused now (engine.offload_states moved the shards away).
         self.refusal: str | None = None
         self._hooks: list[RemovableHandle] = []
+        # Made once: every module call with gradients registers one on its outputs.
+        self._pre_backward_hooks = [
+            functools.partial(self._pre_backward, u) for u in range(len(self.units))
+        ]
         root_unit = next((u for u, m in enumerate(modules) if m is root), None)
         for u, module in enumerate(modules):
             if module is root:
@@ -346,7 +352,10 @@ class ParamGatherer:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Route the call's inputs through a node whose backward runs once the gradients
         with respect to them are computed: the module's backward for this call is over."""
-        flat, spec = tree_flatten((args, kwargs))
+        # The common call (tensors and scalars, no keywords) is its own flat list: a tree
+        # flatten and unflatten cost more than the rest of this hook.
+        simple = not kwargs and all(not isinstance(a, _CONTAINERS) for a in args)
+        flat, spec = (list(args), None) if simple else tree_flatten((args, kwargs))
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not where:
             self.unsignalled.add(u)  # no signal from this call: done at the end of backward
@@ -360,6 +369,8 @@ class ParamGatherer:
         )
         for i, tensor in zip(where, marked, strict=True):
             flat[i] = tensor
+        if spec is None:
+            return tuple(flat), kwargs
         new_args, new_kwargs = tree_unflatten(flat, spec)
         return new_args, new_kwargs
 
@@ -430,11 +441,17 @@ class ParamGatherer:
             # follows at once, so the unit stays gathered until its gradients are done.
             return
         if torch.is_grad_enabled():
-            wanted = [t for t in tensors_in(output) if t.requires_grad]
-            if wanted:
-                torch.autograd.graph.register_multi_grad_hook(
-                    wanted, functools.partial(self._pre_backward, u), mode="any"
-                )
+            if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+                # One output: its node's pre-hook fires as that node, the first of the
+                # module's backward, is about to run (the multi-tensor hook below does the
+                # same for several outputs at ~20x the cost per call).
+                output.grad_fn.register_prehook(self._pre_backward_hooks[u])
+            else:
+                wanted = [t for t in tensors_in(output) if t.requires_grad]
+                if wanted:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        wanted, self._pre_backward_hooks[u], mode="any"
+                    )
         self.free(u)
 
     def _root_pre(
