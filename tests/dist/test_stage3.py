@@ -604,3 +604,35 @@ def test_a_loss_that_bypasses_a_units_outputs_gets_an_explanation():
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_aux_loss_outside_outputs, 2, comm_timeout=20)
     assert str(info.value).count("without passing through the module's returned outputs") == 2
+
+
+class LateUse(nn.Module):
+    """``layers.1.weight`` also scales ``layers[1]``'s own input: that use's gradient is
+    computed after ``layers[1]``'s backward, so it arrives after the unit was reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # two units
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x) * self.layers[1].weight.mean()
+        return self.layers[1](x).pow(2).mean()
+
+
+def _late_gradient() -> None:
+    # Persistent units: the weight stays gathered, so the model can read it outside; each
+    # unit reduced alone (batched, layers[1] would wait for layers[0] and take it in time).
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 10**6, "reduce_bucket_size": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
+    engine, *_ = zerotrain.initialize(model=LateUse(), config=config)
+    engine.backward(engine(torch.randn(2, 8)))
+
+
+def test_a_gradient_arriving_after_its_unit_was_reduced_is_an_error_naming_it():
+    # Stage 3 takes a unit's gradients once its module's backward is over, with no hook per
+    # parameter: without the check at the end of backward, the weight would be stepped
+    # without the late part of its gradient.
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_late_gradient, 2, comm_timeout=20)
+    message = "gradient of 'layers.1.weight' arrived after its unit was already reduced"
+    assert str(info.value).count(message) == 2

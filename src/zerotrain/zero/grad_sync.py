@@ -1,12 +1,23 @@
-"""When gradients are reduced: from autograd hooks, as soon as each unit is complete.
+"""When gradients are reduced: as soon as each unit is complete, in unit order.
 
-On a backward pass that communicates (the accumulation boundary; every micro-step at stage 2,
-which keeps no full-size gradient between micro-steps), every parameter's
-post-accumulate-grad hook marks it ready; a unit's reduction is launched asynchronously once
-all of its parameters are ready *and* every earlier unit has been launched. Launching strictly
+On a backward pass that communicates (the accumulation boundary; every micro-step at stages
+2-3, which keep no full-size gradient between micro-steps), a unit's reduction is launched
+asynchronously once it is ready *and* every earlier unit has been launched. Launching strictly
 in unit order keeps the sequence of collectives identical on every rank even if ranks finish
 units in different orders (a parameter unused on one rank), so collectives never mismatch.
-On the other micro-steps the hooks only keep gradients where the unit expects them.
+
+What "ready" means differs by stage:
+
+* Stages 0-2 (units are buckets of parameters, not modules): every parameter's
+  post-accumulate-grad hook marks it ready; the unit is ready when all are.
+* Stage 3 (units are modules): one signal per unit, ``mark_done``, when the module's
+  backward is over for every outstanding forward pass (``ParamGatherer``). Autograd runs a
+  parameter's gradient accumulation as soon as it can (its nodes come first in the ready
+  queue), so by then every gradient of that backward is in ``param.grad``; the unit takes
+  them all in one pass (``_collect``), with no Python hook per parameter. A gradient that
+  still arrives after its unit was reduced is found at the end of backward and raised.
+
+On the other micro-steps gradients are only kept where the unit expects them.
 """
 
 from __future__ import annotations
@@ -57,13 +68,12 @@ class GradientSynchronizer:
         overlap: let reductions run while backward continues (True), or wait for each one
             as it is launched (False: no overlap, but at most one unit's gradient staged).
         every_micro_step: reduce on every micro-step, not only at the boundary (stages 2-3).
-        on_complete: called with a unit's index once every trainable parameter of it got its
-            gradient in this backward pass (stage 3 frees the unit's parameters then).
-        launch_when_complete: launch a unit's reduction as soon as its gradients are all in
-            (stages 0-2). Stage 3 instead launches on ``mark_done``, when the unit's module
-            finished its backward: gathers run in the same stream of collectives, and
-            "all gradients arrived" differs between ranks when a parameter is unused on one
-            of them, which would interleave reductions and gathers differently per rank.
+        launch_when_complete: launch a unit's reduction as soon as its gradients are all in,
+            as per-parameter hooks report them (stages 0-2). Stage 3 instead takes a unit's
+            gradients and launches on ``mark_done``, when the unit's module finished its
+            backward: gathers run in the same stream of collectives, and "all gradients
+            arrived" differs between ranks when a parameter is unused on one of them, which
+            would interleave reductions and gathers differently per rank.
         on_outside_grad: called before a gradient produced by a backward pass other than
             the engine's own (``begin_backward`` .. ``wait``) is accumulated into a
             parameter; such gradients stay in ``param.grad``, as plain PyTorch keeps them.
@@ -79,7 +89,6 @@ class GradientSynchronizer:
         comm: Communicator,
         overlap: bool,
         every_micro_step: bool,
-        on_complete: Callable[[int], None] | None = None,
         launch_when_complete: bool = True,
         on_outside_grad: Callable[[], None] | None = None,
         coalesce_numel: int = 0,
@@ -90,7 +99,6 @@ class GradientSynchronizer:
         self.comm = comm
         self.overlap = overlap
         self.every_micro_step = every_micro_step
-        self.on_complete = on_complete
         self.launch_when_complete = launch_when_complete
         self._done = [False] * len(self.units)
         self._remaining = [0] * len(self.units)
@@ -141,12 +149,19 @@ class GradientSynchronizer:
         # like the hooks, so that it closes no cycle either.
         self._staging = [functools.partial(_acquire_staging, me, u) for u in range(len(units))]
         self._plan_batches()
+        # Stage 3: each unit's trainable parameters, for _collect.
+        self._trained = [
+            [(i, p) for i, p in enumerate(unit.buffer.params) if unit.trainable[i]]
+            for unit in self.units
+        ]
+        before_grad = functools.partial(_before_grad, me)
         for u, unit in enumerate(self.units):
             for i, param in enumerate(unit.buffer.params):
                 if unit.trainable[i]:
-                    on_grad = functools.partial(_on_grad, me, u, i)
-                    self._hooks.append(param.register_post_accumulate_grad_hook(on_grad))
-                    self._hooks.append(param.register_hook(functools.partial(_before_grad, me)))
+                    if launch_when_complete:
+                        on_grad = functools.partial(_on_grad, me, u, i)
+                        self._hooks.append(param.register_post_accumulate_grad_hook(on_grad))
+                    self._hooks.append(param.register_hook(before_grad))
 
     def launch_last(self, units: set[int]) -> None:
         """Launch ``units`` after every other unit: nothing reports them done before the end
@@ -290,14 +305,42 @@ class GradientSynchronizer:
             unit.gradients_complete()
         if not self._syncing:
             return
-        if self._remaining[u] == 0 and self.on_complete is not None:
-            self.on_complete(u)
-        if self.launch_when_complete:
-            while self._next < len(self.units) and self._remaining[self._order[self._next]] == 0:
-                self._launch_next()
+        while self._next < len(self.units) and self._remaining[self._order[self._next]] == 0:
+            self._launch_next()
+
+    def _collect(self, u: int) -> None:
+        """Stage 3: take whatever gradients of unit ``u`` autograd left in ``param.grad``
+        (into staging, together, freeing them)."""
+        if not self._in_backward:
+            return
+        unit, staging = self.units[u], self._staging[u]
+        took = False
+        for i, param in self._trained[u]:
+            if param.grad is not None:
+                unit.accept_grad(i, staging)
+                took = True
+        if took:
+            unit.gradients_complete()
+
+    def _check_nothing_late(self) -> None:
+        """Stage 3, end of a backward pass that reduced every unit: a gradient still in
+        ``param.grad`` arrived after its unit's reduction was launched."""
+        for u, trained in enumerate(self._trained):
+            for i, param in trained:
+                if param.grad is not None:
+                    param.grad = None  # not part of any window (the step is abandoned)
+                    name = self.units[u].buffer.layout.params[i].fqn
+                    raise RuntimeError(
+                        f"gradient of '{name}' arrived after its unit was already reduced in "
+                        "this backward pass (a use of the parameter outside its module's "
+                        "forward, or a second backward on the same micro-step); call "
+                        "engine.backward() once per micro-step (sum several losses first)"
+                    )
 
     def mark_done(self, u: int) -> None:
-        """Unit ``u``'s module finished its backward: launch, in unit order, what is done."""
+        """Stage 3: unit ``u``'s module finished its backward: take its gradients and
+        launch, in unit order, what is done."""
+        self._collect(u)
         if not self._syncing or self._done[u]:
             return
         self._done[u] = True
@@ -324,6 +367,9 @@ class GradientSynchronizer:
 
     def _launch_next(self) -> None:
         start, end = self._next, self._batch_end[self._next]
+        if not self.launch_when_complete:
+            for u in self._order[start:end]:
+                self._collect(u)  # also what arrived since its mark_done
         ios = [
             self.units[u].launch_reduce(final=self._final, staging=self._staging[u])
             for u in self._order[start:end]
@@ -349,6 +395,11 @@ class GradientSynchronizer:
         if self._syncing:
             while self._next < len(self.units):
                 self._launch_next()
+            if not self.launch_when_complete:
+                self._check_nothing_late()
+        elif not self.launch_when_complete:
+            for u in range(len(self.units)):
+                self._collect(u)
 
     def wait(self) -> None:
         """Wait for every reduction of this backward pass."""

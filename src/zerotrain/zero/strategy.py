@@ -158,7 +158,6 @@ class ZeroStrategy:
             comm,
             overlap=bool(reduce.overlap),
             every_micro_step=zero.shard_gradients,
-            on_complete=self._unit_complete if self.gatherer is not None else None,
             launch_when_complete=self.gatherer is None,
             on_outside_grad=self._drop_outside_grads_if_zeroed,
             coalesce_numel=reduce_batch_numel(bucket_numel) if self.gatherer is not None else 0,
@@ -298,13 +297,6 @@ class ZeroStrategy:
             for unit in self.units:
                 unit.drop_outside_grads()
                 unit.forget_optimizer_grads()
-
-    def _unit_complete(self, u: int) -> None:
-        # Every gradient of the unit is accumulated, so autograd is done with its parameters
-        # (a local decision: freeing needs no collective). Units holding frozen parameters
-        # are freed when their module's backward is over (ParamGatherer).
-        if all(self.units[u].trainable) and self.gatherer is not None:
-            self.gatherer.free(u)
 
     def end_backward(self) -> None:
         """After autograd finished: every reduction of this micro-step is complete."""
