@@ -6,7 +6,10 @@ compute is negligible and the per-parameter host work shows.
 The model: the demo GPT with 24 blocks of width 32 (293 parameter tensors), micro-batch 2,
 sequence 32. Each (world, precision, stage) runs in fresh processes holding both systems,
 each on its own copy of the model; world size 2 runs over gloo TCP (``ZEROTRAIN_SHM=0``),
-so that every collective is one dispatched operation and counted.
+so that every collective is one dispatched operation and counted. Over plain gloo the
+engine checks each collective's signature first (one small all-reduce: ranks that diverge
+fail with an error instead of hanging); ``--unchecked`` turns that off, which is how NCCL
+and the shared-memory path run.
 
 - ``hand``: fp32: torch's AdamW (fused) with ``clip_grad_norm_(foreach=True)``; bf16:
   bf16 weights stepped through fp32 master copies by fused AdamW with clipping
@@ -16,13 +19,14 @@ so that every collective is one dispatched operation and counted.
   ZeRO stages 0-3.
 
 Ops are counted over one steady-state step with a ``TorchDispatchMode`` on rank 0. Time:
-5 rounds, each one window of 5 steps of the hand loop then one of the engine (after 3
+``--rounds`` (5) rounds, each one window of 5 steps of the hand loop then one of the engine (after 3
 warm-up steps each), so that both see the same load on a noisy machine; a window's time
-is its slower rank's, and the ratio reported is the median of the 5 rounds' ratios (with
+is its slower rank's, and the ratio reported is the median of the rounds' ratios (with
 their range).
 
     OMP_NUM_THREADS=1 python benchmarks/host_overhead.py [--worlds 1 2] [--stages 0 1 2 3] \
-        [--json rows.json]; python benchmarks/host_overhead.py --plot a.json b.json --png x.png
+        [--rounds 5] [--unchecked] [--json rows.json]
+    python benchmarks/host_overhead.py --plot a.json b.json --png x.png
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ def _window(step: Callable[..., Any], data: list[tuple[torch.Tensor, torch.Tenso
     return (time.perf_counter() - start) / PER_WINDOW
 
 
-def _case(precision: str, stage: int) -> dict[str, Any]:
+def _case(precision: str, stage: int, windows: int = WINDOWS) -> dict[str, Any]:
     """One rank: the hand loop and the engine side by side in this process (each on its
     own copy of the model): ops of one steady step of each, then WINDOWS rounds of one
     timed window of each, alternating, so that both see the same machine load."""
@@ -156,7 +160,7 @@ def _case(precision: str, stage: int) -> dict[str, Any]:
     engine = _engine_step(_model(precision), precision, stage)
     data = _data()
     hand_ops, engine_ops = _ops(hand, data), _ops(engine, data)
-    rounds = [(_window(hand, data), _window(engine, data)) for _ in range(WINDOWS)]
+    rounds = [(_window(hand, data), _window(engine, data)) for _ in range(windows)]
     return {"hand_ops": hand_ops, "engine_ops": engine_ops, "rounds": rounds}
 
 
@@ -173,6 +177,14 @@ def main() -> None:
         "--png, and run nothing",
     )  # fmt: skip
     parser.add_argument("--png", type=Path, default=Path("host_overhead.png"))
+    parser.add_argument(
+        "--rounds", type=int, default=WINDOWS, help="alternating windows per case (median)"
+    )
+    parser.add_argument(
+        "--unchecked", action="store_true",
+        help="ZEROTRAIN_VERIFY_COLLECTIVES=0: no signature check before each gloo collective "
+        "(what NCCL and the shared-memory path run without)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.plot:
         plot(args.plot, args.png)
@@ -190,14 +202,17 @@ def main() -> None:
     for world in args.worlds:
         for precision in args.precisions:
             for stage in args.stages:
+                env = {"ZEROTRAIN_SHM": "0"}
+                if args.unchecked:
+                    env["ZEROTRAIN_VERIFY_COLLECTIVES"] = "0"
                 ranks = run_distributed(
-                    _case, world, precision, stage, env={"ZEROTRAIN_SHM": "0"},
+                    _case, world, precision, stage, args.rounds, env=env,
                     own_processes="fresh processes per case", timeout=600,
                 )  # fmt: skip
                 # A round's time is its slower rank's; the ratio is taken per round.
                 rounds = [
                     (max(r["rounds"][k][0] for r in ranks), max(r["rounds"][k][1] for r in ranks))
-                    for k in range(WINDOWS)
+                    for k in range(args.rounds)
                 ]
                 ratios = sorted(e / h for h, e in rounds)
                 hand_ms = 1e3 * statistics.median(h for h, _ in rounds)
@@ -254,7 +269,8 @@ def plot(files: list[Path], png: Path) -> None:
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
     ax.set_xticklabels([f"w{w} {p}\ns{s}" for w, p, s in keys], fontsize=7)
     ax.set_ylabel("step time, engine / hand loop")
-    ax.set_title("benchmarks/host_overhead.py: median of 5 alternating rounds (range)")
+    rounds = len(runs[0][1][0]["time_ratios"])
+    ax.set_title(f"benchmarks/host_overhead.py: median of {rounds} alternating rounds (range)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
