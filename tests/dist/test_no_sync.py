@@ -1,4 +1,4 @@
-"""Several backward passes per micro-step: ``engine.no_sync()`` and the strategy's
+"""Several backward passes per micro-step: ``engine.no_sync()`` and the strategy window's
 ``set_requires_gradient_sync`` knob.
 
 Backward passes without gradient sync accumulate on each rank; the next pass with sync

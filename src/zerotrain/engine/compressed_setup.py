@@ -148,5 +148,5 @@ def build_compressed(
     if cls is OneBitLamb:
         hyper["num_ids"] = strategy.num_params
     optimizer = cls(param_groups, buckets, exchange, **hyper)
-    strategy.set_gradient_averaging(optimizer.wants_averaged_gradients)
+    strategy.window.set_gradient_averaging(optimizer.wants_averaged_gradients)
     return optimizer

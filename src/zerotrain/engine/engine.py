@@ -427,12 +427,12 @@ class Engine(RankQueries, EfficiencyQueries, nn.Module):
         if self._no_sync:
             raise RuntimeError("engine.no_sync() is already active (it does not nest)")
         self._no_sync = True
-        self.strategy.set_requires_gradient_sync(False)
+        self.strategy.window.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self._no_sync = False
-            self.strategy.set_requires_gradient_sync(True)
+            self.strategy.window.set_requires_gradient_sync(True)
 
     def step(self) -> None:
         """Finish the micro-step; on the accumulation boundary clip, update and schedule."""

@@ -248,8 +248,8 @@ class PipelineEngine(Engine):
             self._fail(exc)
             raise
         finally:
-            self.strategy.set_requires_gradient_sync(True)
-            self.strategy.set_is_last_backward(None)
+            self.strategy.window.set_requires_gradient_sync(True)
+            self.strategy.window.set_is_last_backward(None)
             if held:
                 self.strategy.release_gathered()
         self._sync_ties()
@@ -379,8 +379,8 @@ class PipelineEngine(Engine):
             sync = False  # everything reduces at REDUCE_GRAD
         final = last and sync
         strategy = self.strategy
-        strategy.set_requires_gradient_sync(sync)
-        strategy.set_is_last_backward(final)
+        strategy.window.set_requires_gradient_sync(sync)
+        strategy.window.set_is_last_backward(final)
         if sync and action.stage in self._elsewhere:
             strategy.expect_no_gradient(self._elsewhere[action.stage])
         if grads is None:
@@ -397,8 +397,8 @@ class PipelineEngine(Engine):
         last such action; an interleaved rank has one per stage it holds)."""
         if self.pipeline.grad_reduce != "end_of_step" or action != self._last_reduce:
             return
-        self.strategy.set_requires_gradient_sync(True)
-        self.strategy.set_is_last_backward(True)
+        self.strategy.window.set_requires_gradient_sync(True)
+        self.strategy.window.set_is_last_backward(True)
         # No autograd runs: ending the pass launches every unit's reduction.
         self._backward_pass(True, lambda: None)
 

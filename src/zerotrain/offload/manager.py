@@ -110,6 +110,34 @@ class Offload:
 
     # -- set-up ---------------------------------------------------------------------------------
 
+    def reserve_for(
+        self,
+        trainable: Sequence[torch.Tensor],
+        every: Sequence[torch.Tensor] | None,
+        precision: PrecisionPolicy,
+    ) -> None:
+        """``reserve`` sized from the model, before any unit is built: ``trainable`` the
+        parameters the optimizer steps; ``every``: at stage 3, all of the model's (its
+        slices cover frozen parameters too), None at stages 0-2 (units hold only trainable
+        ones, in fp32 master sizes)."""
+        world = self.comm.world_size
+        trainable_numel = sum(p.numel() for p in trainable)
+        every_numel, itemsize = trainable_numel, 4
+        model_dtype = trainable[0].dtype if trainable else torch.float32
+        if every is not None:
+            every_numel = sum(p.numel() for p in every)
+            model_dtype = every[0].dtype if every else model_dtype
+            itemsize = (precision.compute or model_dtype).itemsize
+        grad_dtype = precision.resolve(model_dtype)[1]
+        owned = -(-every_numel // world)
+        self.reserve(
+            owned,
+            -(-trainable_numel // world),
+            precision,
+            itemsize,
+            grad_bytes=owned * grad_dtype.itemsize,
+        )
+
     def reserve(
         self,
         owned_numel: int,

@@ -383,12 +383,14 @@ class ShardedGradients:
         overwrite, self._shard_is_zero = self._shard_is_zero, False
 
         def finish() -> None:
-            if post != 1.0:
-                out.div_(post)
             self.slot.materialize(read=not overwrite)
-            if overwrite:
+            if overwrite and post != 1.0:
+                torch.div(out, post, out=self.shard)  # one op for divide-and-copy
+            elif overwrite:
                 self.shard.copy_(out)
             else:
+                if post != 1.0:
+                    out.div_(post)
                 self.shard.add_(out)
             self.pool.release(pooled)
             self._window_reduced = final

@@ -106,7 +106,6 @@ class PartitionedParams:
         # valid as the storage is freed and resized back, so a gather points .data at them
         # without a slice and a view per parameter.
         self._full_views = [self.view(self.full, i) for i in range(len(self.params))]
-        self._owned_full = self.full[self.owned[0] : self.owned[1]]
         self.state = ShardState.GATHERED  # until the free() below
         self._pins = 0
         self._released = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -227,10 +226,10 @@ class PartitionedParams:
 
     def refresh(self, label: str) -> CollectiveIO:
         """The all-gather of updated slices into the buffer already gathered (persistent
-        units), this rank's slice copied in already."""
+        units). It sends the shard itself: copying it into the buffer first would be one
+        more copy per unit (a combined all-gather packs its inputs anyway)."""
         invariant(self.gathered, "refresh of a unit that is not gathered")
-        self._owned_full.copy_(self.shard)
-        return CollectiveIO("all_gather", self.full, self._owned_full, "parameters", label)
+        return CollectiveIO("all_gather", self.full, self.shard, "parameters", label)
 
     def scatter_back(self) -> None:
         """Copy this rank's slice of the gathered buffer into permanent storage (after the

@@ -39,6 +39,7 @@ from zerotrain.zero.outside_writes import OutsideWrites
 from zerotrain.zero.policy import ZeroPolicy
 from zerotrain.zero.units import TrainableParam, ValueLookup, build_module_units, build_units
 from zerotrain.zero.unused_params import UsedParameters
+from zerotrain.zero.window import BackwardWindow, PassPlan
 
 if TYPE_CHECKING:
     from zerotrain.offload.manager import Offload
@@ -108,8 +109,9 @@ class ZeroStrategy:
         self.gatherer: ParamGatherer | None = None
         self._mapping: LargeAllocationMapping | None = None
         host_master = offload is not None and offload.policy.optimizer != "none"
-        if offload is not None:
-            self._reserve_offload(offload, trainable, stage3)
+        if offload is not None:  # check space for and open the swap files first
+            every = list(stage3.model.parameters()) if stage3 is not None else None
+            offload.reserve_for([t.param for t in trainable], every, self.precision)
         if zero.shard_parameters:
             invariant(stage3 is not None, "stage 3 needs the model")
             assert stage3 is not None
@@ -166,13 +168,8 @@ class ZeroStrategy:
         if self.gatherer is not None:
             self.gatherer.on_backward_done = self.sync.mark_done
         self._fusion: WeightGradFusion | None = None
-        self._boundary = False
-        self._requires_sync = True
-        # Whether gradients are averaged across ranks, decided per window by the optimizer
-        # (None: always); and whether the current window keeps each rank's own.
-        self._averaging: Callable[[], bool] | None = None
-        self._local = False
-        self._is_last_backward: bool | None = None
+        self.window = BackwardWindow(whole_gradients=not zero.shard_gradients)
+        self._pass = PassPlan()  # the current (or last) backward pass's
         self._placeholders: dict[int, torch.Tensor] = {}
         self.outside_writes = OutsideWrites(self.units)
         self.norms = GradNorms(self.units, comm, zero.shard_optimizer, self.distinct_axes)
@@ -181,60 +178,7 @@ class ZeroStrategy:
         self._group_sums: list[tuple[Communicator, list[tuple[int, int, int]]]] = []
         self.used = UsedParameters(self.units, comm, num_params, self.gatherer)
 
-    def _reserve_offload(
-        self, offload: Offload, trainable: Sequence[TrainableParam], stage3: Stage3Options | None
-    ) -> None:
-        """Check space for and open the swap files before any unit is built."""
-        world = self.comm.world_size
-        trainable_numel = sum(t.param.numel() for t in trainable)
-        every = trainable_numel
-        itemsize = 4
-        model_dtype = trainable[0].param.dtype if trainable else torch.float32
-        if stage3 is not None:
-            params = list(stage3.model.parameters())
-            every = sum(p.numel() for p in params)
-            model_dtype = params[0].dtype if params else model_dtype
-            dtype = self.precision.compute or model_dtype
-            itemsize = dtype.itemsize
-        grad_dtype = self.precision.resolve(model_dtype)[1]
-        owned = -(-every // world)
-        offload.reserve(
-            owned,
-            -(-trainable_numel // world),
-            self.precision,
-            itemsize,
-            # Stage 3 slices cover frozen parameters too; stage 2 units hold only trainable ones.
-            grad_bytes=owned * grad_dtype.itemsize,
-        )
-
     # -- backward -------------------------------------------------------------------------------
-
-    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
-        """Whether the next backward passes reduce gradients across ranks (the knob torch's
-        pipelining sets on FSDP2). False: each pass accumulates this rank's gradients
-        locally (stages 2-3 keep a full-size staged gradient per unit for that), and the
-        next pass with sync reduces all of them at once: one reduction per window instead
-        of one per pass."""
-        self._requires_sync = requires_sync
-
-    def set_gradient_averaging(self, wanted: Callable[[], bool] | None) -> None:
-        """Who decides, window by window, whether backward passes average gradients across
-        ranks: None (always; the default) or a callable asked as each window starts (the
-        1-bit optimizers, which communicate compressed themselves once their warm-up is
-        over). A window without averaging ends with each rank's own gradient, as if the
-        ranks were one (divided by the micro-steps, not by the ranks)."""
-        invariant(
-            wanted is None or not self.zero.shard_gradients,
-            "local gradients need whole gradients (ZeRO stages 0-1)",
-        )
-        self._averaging = wanted
-
-    def set_is_last_backward(self, is_last: bool | None) -> None:
-        """Whether the next backward passes close the accumulation window (their reductions
-        are final, and the step's checks exchange behind them), overriding what the caller
-        of ``begin_backward`` says; None hands the decision back to it (the engine counts
-        micro-steps; a pipeline schedule knows its last micro-batch)."""
-        self._is_last_backward = is_last
 
     def set_reshard_after_backward(self, reshard: bool) -> None:
         """Stage 3: whether units gathered for a backward pass are released at its end
@@ -262,18 +206,15 @@ class ZeroStrategy:
 
     def begin_backward(self, boundary: bool) -> None:
         """Before autograd runs for one micro-step (``boundary``: its backward closes the
-        accumulation window, unless ``set_is_last_backward`` said otherwise)."""
-        if self._is_last_backward is not None:
-            boundary = self._is_last_backward
-        self._boundary = boundary and self._requires_sync
-        self._local = self._averaging is not None and not self._averaging()
+        accumulation window, unless ``window.set_is_last_backward`` said otherwise)."""
+        self._pass = plan = self.window.plan(boundary)
         self._drop_outside_grads_if_zeroed()
         for unit in self.units:
             unit.attach_grads()
         if self.gatherer is not None:
             self.gatherer.begin_backward()
             self.sync.launch_last(self.gatherer.unsignalled)
-        self.sync.begin_backward(boundary, requires_sync=self._requires_sync and not self._local)
+        self.sync.begin_backward(plan.last_micro_step, requires_sync=plan.reduces)
 
     def backward_reaches_one_pass(self) -> None:
         """Every backward from now on starts from the outputs of one forward pass (a
@@ -303,14 +244,14 @@ class ZeroStrategy:
         self.sync.launch_remaining()
         if self.gatherer is not None:
             self.gatherer.end_backward()
-        if self._boundary:
+        if self._pass.closes:
             # Which parameters got a gradient is known now; exchanging it here runs behind
             # the gradient reductions instead of adding a round trip to the step.
             self.used.exchange()
         self.sync.wait()
         for unit in self.units:
             unit.detach_grads()
-        if self._boundary and self._local:
+        if self._pass.closes and self._pass.local:
             policy = self.units[0].reduce_policy if self.units else None
             if policy is not None:
                 # What the reduction divides by, less the ranks it averages over.
@@ -364,7 +305,7 @@ class ZeroStrategy:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (``GradNorms.global_norm``)."""
-        return self.norms.global_norm(local=self._local)
+        return self.norms.global_norm(local=self._pass.local)
 
     def first_nonfinite_grad(self) -> str | None:
         """See ``GradNorms.first_nonfinite``."""
@@ -447,7 +388,7 @@ class ZeroStrategy:
         """Multiply the reduced gradients by ``coef`` (unscaling and clipping; None: leave
         them). Streamed slices are scaled by the offloaded step as it reads them."""
         if coef is not None:
-            if self._local:  # each rank's whole gradient, as the optimizer reads it
+            if self._pass.local:  # each rank's whole gradient, as the optimizer reads it
                 resident = [u.grads.flat for u in self.units]  # type: ignore[union-attr]
             else:
                 resident = [g for u in self.units for g in u.grads_to_scale()]
