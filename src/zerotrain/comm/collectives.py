@@ -234,7 +234,10 @@ class Communicator:
         its handle is already complete (``on_done`` has run)."""
         self.stats.record(op, purpose, payload.numel() * payload.element_size())
         if output is not None and source is not None and output.data_ptr() != source.data_ptr():
-            output.view(-1).copy_(source.reshape(-1))
+            # Flat buffers (the common case) are copied as they are: no view ops per call.
+            flat_out = output if output.dim() == 1 else output.view(-1)
+            flat_source = source if source.dim() == 1 else source.reshape(-1)
+            flat_out.copy_(flat_source)
         handle = Handle(None, lambda: f"rank {self.rank}: {op} of {purpose}", on_done)
         handle.wait()
         return handle
