@@ -613,26 +613,72 @@ class LateUse(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # two units
+        self.late_use = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layers[0](x) * self.layers[1].weight.mean()
+        x = self.layers[0](x)
+        if self.late_use:
+            x = x * self.layers[1].weight.mean()
         return self.layers[1](x).pow(2).mean()
 
 
-def _late_gradient() -> None:
+def _late_gradients() -> list[str]:
     # Persistent units: the weight stays gathered, so the model can read it outside; each
     # unit reduced alone (batched, layers[1] would wait for layers[0] and take it in time).
     zero = {"stage": 3, "stage3_param_persistence_threshold": 10**6, "reduce_bucket_size": 0}
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
-    engine, *_ = zerotrain.initialize(model=LateUse(), config=config)
-    engine.backward(engine(torch.randn(2, 8)))
+    model = LateUse()
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    errors = []
+    for announce_unused in (False, False, True):
+        if announce_unused:  # wrongly: its unit is reduced at once, before its gradients
+            model.late_use = False
+            engine.strategy.expect_no_gradient(list(model.layers[0].parameters()))
+        try:
+            engine.backward(engine(torch.randn(2, 8)))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors
 
 
 def test_a_gradient_arriving_after_its_unit_was_reduced_is_an_error_naming_it():
     # Stage 3 takes a unit's gradients once its module's backward is over, with no hook per
     # parameter: without the check at the end of backward, the weight would be stepped
-    # without the late part of its gradient.
-    with pytest.raises(DistributedTestError) as info:
-        run_distributed(_late_gradient, 2, comm_timeout=20)
-    message = "gradient of 'layers.1.weight' arrived after its unit was already reduced"
-    assert str(info.value).count(message) == 2
+    # without the late part of its gradient. The window is discarded, so the next
+    # backward fails the same way (not with a unit left half-reduced).
+    for errors in run_distributed(_late_gradients, 2, comm_timeout=20):
+        assert len(errors) == 3, errors
+        late = "gradient of 'layers.{}.weight' arrived after its unit was already reduced"
+        assert late.format(1) in errors[0], errors
+        assert late.format(1) in errors[1], errors
+        assert late.format(0) in errors[2], errors
+
+
+class CheckpointedLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+        return x.pow(2).mean()
+
+
+def _gathered_during_reentrant_backward() -> tuple[int, int]:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
+    engine, *_ = zerotrain.initialize(model=CheckpointedLayers(), config=config)
+    gatherer = engine.strategy.gatherer
+    x = torch.randn(2, 64, requires_grad=True)
+    loss = engine(x)
+    gatherer.peak_bytes = gatherer.live_bytes
+    engine.backward(loss)
+    return gatherer.peak_bytes, gatherer._storage[0].full_nbytes
+
+
+def test_reentrant_checkpointing_frees_each_recomputed_unit_after_its_backward():
+    # The first forward runs without gradients (no signal); the recomputed call's own
+    # signal frees the unit. Without it every unit stayed gathered to the end of backward.
+    peak, unit_bytes = run_distributed(_gathered_during_reentrant_backward, 2)[0]
+    assert peak <= 2 * unit_bytes, (peak, unit_bytes)

@@ -47,9 +47,10 @@ from zerotrain.utils.tree import tensors_in
 from zerotrain.zero.homes import Home, register, unregister
 from zerotrain.zero.issue import issue
 
-_HASH_MODULUS = 1 << 50
-# Argument types a tree flatten looks inside (a call passing one goes the general way).
-_CONTAINERS = (list, tuple, dict)  # exact in float64, so fingerprints survive an all-reduce
+_HASH_MODULUS = 1 << 50  # exact in float64, so fingerprints survive an all-reduce
+# Arguments a module call may pass without a tree flatten (anything else may hold tensors
+# that a flatten finds: containers, pytree-registered classes).
+_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -168,6 +169,11 @@ class ParamGatherer:
         # Made once: every module call with gradients registers one on its outputs.
         self._pre_backward_hooks = [
             functools.partial(self._pre_backward, u) for u in range(len(self.units))
+        ]
+        # Calls recomputed inside the current backward whose own backward has not run yet.
+        self._recomputed = [0] * len(self.units)
+        self._recomputed_done_hooks = [
+            functools.partial(self._recomputed_done, u) for u in range(len(self.units))
         ]
         root_unit = next((u for u, m in enumerate(modules) if m is root), None)
         for u, module in enumerate(modules):
@@ -338,7 +344,9 @@ class ParamGatherer:
         if in_backward():
             # A forward recomputed inside backward (activation checkpointing): backward
             # prefetches the units before this one; the ones after it are done already.
-            return None
+            return (
+                self._free_after_recomputed_backward(u, args) if torch.is_grad_enabled() else None
+            )
         if u not in self._current_set:
             self._current_set.add(u)
             self._current.append(u)
@@ -354,7 +362,7 @@ class ParamGatherer:
         with respect to them are computed: the module's backward for this call is over."""
         # The common call (tensors and scalars, no keywords) is its own flat list: a tree
         # flatten and unflatten cost more than the rest of this hook.
-        simple = not kwargs and all(not isinstance(a, _CONTAINERS) for a in args)
+        simple = not kwargs and all(isinstance(a, _LEAVES) for a in args)
         flat, spec = (list(args), None) if simple else tree_flatten((args, kwargs))
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not where:
@@ -373,6 +381,29 @@ class ParamGatherer:
             return tuple(flat), kwargs
         new_args, new_kwargs = tree_unflatten(flat, spec)
         return new_args, new_kwargs
+
+    def _free_after_recomputed_backward(
+        self, u: int, args: tuple[Any, ...]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A call recomputed inside backward (reentrant activation checkpointing, whose
+        first forward ran without gradients and so set no signal): route its tensor inputs
+        through a node whose backward frees the unit once every recomputed call of it is
+        done, instead of keeping it gathered until the end of backward. (Non-reentrant
+        checkpointing discards the recomputed graph; its calls' own signals free the unit.)"""
+        where = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not where:
+            return None
+        self._recomputed[u] += 1
+        marked = _PostBackward.apply(self._recomputed_done_hooks[u], *[args[i] for i in where])
+        flat = list(args)
+        for i, tensor in zip(where, marked, strict=True):
+            flat[i] = tensor
+        return tuple(flat), {}
+
+    def _recomputed_done(self, u: int) -> None:
+        self._recomputed[u] -= 1
+        if self._recomputed[u] == 0:
+            self.free(u)
 
     def _new_pass(self) -> ForwardPass:
         record = ForwardPass([0] * len(self.units), [0] * len(self.units))
@@ -413,6 +444,7 @@ class ParamGatherer:
         ``reshard_after_backward`` is off."""
         for record in [p for p in self._passes if p.reached]:
             self._passes.discard(record)
+        self._recomputed = [0] * len(self.units)
         if self.reshard_after_backward:
             self.release_held()
             self.free_all()
@@ -420,6 +452,7 @@ class ParamGatherer:
     def abort_backward(self) -> None:
         """After autograd raised: forget every outstanding pass and release everything."""
         self._passes.clear()
+        self._recomputed = [0] * len(self.units)
         self.release_held()
         self.free_all()
 
@@ -438,7 +471,8 @@ class ParamGatherer:
     def _post(self, u: int, _module: nn.Module, _args: Any, output: Any) -> None:
         if in_backward():
             # A forward recomputed inside backward (activation checkpointing): its backward
-            # follows at once, so the unit stays gathered until its gradients are done.
+            # follows at once, so the unit stays gathered until that is done (the signal
+            # set by _free_after_recomputed_backward), or the end of backward.
             return
         if torch.is_grad_enabled():
             if isinstance(output, torch.Tensor) and output.grad_fn is not None:

@@ -313,6 +313,8 @@ class GradientSynchronizer:
         (into staging, together, freeing them)."""
         if not self._in_backward:
             return
+        if self._syncing and self._position[u] < self._next:
+            return  # reduced already: what arrived since stays for _check_nothing_late
         unit, staging = self.units[u], self._staging[u]
         took = False
         for i, param in self._trained[u]:

@@ -241,7 +241,11 @@ class ZeroStrategy:
 
     def end_backward(self) -> None:
         """After autograd finished: every reduction of this micro-step is complete."""
-        self.sync.launch_remaining()
+        try:
+            self.sync.launch_remaining()
+        except BaseException:
+            self.abort_backward()  # a late gradient: the window is discarded, as for errors
+            raise
         if self.gatherer is not None:
             self.gatherer.end_backward()
         if self._pass.closes:
