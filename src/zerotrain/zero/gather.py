@@ -5,9 +5,12 @@ hook; the units that ran next in the previous forward pass are prefetched (up to
 ``prefetch_numel`` elements, never beyond ``max_live_numel`` gathered at once). Backward: the
 post-forward hook registers a hook on the module's outputs that fires as soon as the first
 gradient reaches them, before any of the module's own backward runs; it gathers the unit
-again and prefetches the unit that ran before it. The unit is freed once autograd has
-accumulated every one of its gradients (all uses done), and at the latest at the end of
-backward. Units below the persistence threshold are gathered once and kept.
+again and prefetches the unit that ran before it. The unit is freed once the module's
+backward is over for the call (an identity node on the call's inputs runs its backward;
+for a call recomputed by reentrant checkpointing, on the recomputed call's inputs), and at
+the latest at the end of backward; that signal is also when the unit's gradients are taken
+and reduced (``GradientSynchronizer.mark_done``). Units below the persistence threshold are
+gathered once and kept.
 
 Backward bookkeeping is kept per forward pass (one micro-batch), so the forwards of several
 micro-batches may be outstanding before their backwards (a pipeline's 1F1B order): a unit
