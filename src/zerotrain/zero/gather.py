@@ -71,6 +71,37 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclasses.dataclass
+class _GradInputs:
+    """A module call's arguments, flattened, and where the tensors that need a gradient are."""
+
+    flat: list[Any]
+    spec: Any  # the tree flatten's spec; None: ``flat`` is the positional arguments
+    kwargs: dict[str, Any]
+    where: list[int]
+
+    @staticmethod
+    def of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _GradInputs | None:
+        """The call's inputs (None: no tensor among them needs a gradient)."""
+        # The common call (tensors and scalars, no keywords) is its own flat list: a tree
+        # flatten and unflatten cost more than the rest of a module hook.
+        simple = not kwargs and all(isinstance(a, _LEAVES) for a in args)
+        flat, spec = (list(args), None) if simple else tree_flatten((args, kwargs))
+        where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
+        return _GradInputs(flat, spec, kwargs, where) if where else None
+
+    def routed(self, done: Callable[[], None]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with those tensors passed through one ``_PostBackward``
+        node, whose backward calls ``done``."""
+        marked = _PostBackward.apply(done, *[self.flat[i] for i in self.where])
+        for i, tensor in zip(self.where, marked, strict=True):
+            self.flat[i] = tensor
+        if self.spec is None:
+            return tuple(self.flat), self.kwargs
+        new_args, new_kwargs = tree_unflatten(self.flat, self.spec)
+        return new_args, new_kwargs
+
+
 @dataclasses.dataclass(eq=False)  # passes are told apart by identity
 class ForwardPass:
     """The backward bookkeeping of one forward pass (a micro-batch): per unit, the calls
@@ -347,9 +378,9 @@ class ParamGatherer:
         if in_backward():
             # A forward recomputed inside backward (activation checkpointing): backward
             # prefetches the units before this one; the ones after it are done already.
-            return (
-                self._free_after_recomputed_backward(u, args) if torch.is_grad_enabled() else None
-            )
+            if not torch.is_grad_enabled():
+                return None
+            return self._free_after_recomputed_backward(u, args, kwargs)
         if u not in self._current_set:
             self._current_set.add(u)
             self._current.append(u)
@@ -363,45 +394,29 @@ class ParamGatherer:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Route the call's inputs through a node whose backward runs once the gradients
         with respect to them are computed: the module's backward for this call is over."""
-        # The common call (tensors and scalars, no keywords) is its own flat list: a tree
-        # flatten and unflatten cost more than the rest of this hook.
-        simple = not kwargs and all(isinstance(a, _LEAVES) for a in args)
-        flat, spec = (list(args), None) if simple else tree_flatten((args, kwargs))
-        where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
-        if not where:
+        inputs = _GradInputs.of(args, kwargs)
+        if inputs is None:
             self.unsignalled.add(u)  # no signal from this call: done at the end of backward
             return None
         record = self._recording
         if record is None:  # a unit called outside the model's forward: a pass of its own
             record = self._new_pass()
         record.calls[u] += 1
-        marked = _PostBackward.apply(
-            functools.partial(self._post_backward, record, u), *[flat[i] for i in where]
-        )
-        for i, tensor in zip(where, marked, strict=True):
-            flat[i] = tensor
-        if spec is None:
-            return tuple(flat), kwargs
-        new_args, new_kwargs = tree_unflatten(flat, spec)
-        return new_args, new_kwargs
+        return inputs.routed(functools.partial(self._post_backward, record, u))
 
     def _free_after_recomputed_backward(
-        self, u: int, args: tuple[Any, ...]
+        self, u: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """A call recomputed inside backward (reentrant activation checkpointing, whose
         first forward ran without gradients and so set no signal): route its tensor inputs
         through a node whose backward frees the unit once every recomputed call of it is
         done, instead of keeping it gathered until the end of backward. (Non-reentrant
         checkpointing discards the recomputed graph; its calls' own signals free the unit.)"""
-        where = [i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.requires_grad]
-        if not where:
+        inputs = _GradInputs.of(args, kwargs)
+        if inputs is None:
             return None
         self._recomputed[u] += 1
-        marked = _PostBackward.apply(self._recomputed_done_hooks[u], *[args[i] for i in where])
-        flat = list(args)
-        for i, tensor in zip(where, marked, strict=True):
-            flat[i] = tensor
-        return tuple(flat), {}
+        return inputs.routed(self._recomputed_done_hooks[u])
 
     def _recomputed_done(self, u: int) -> None:
         self._recomputed[u] -= 1

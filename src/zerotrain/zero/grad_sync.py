@@ -35,7 +35,12 @@ from zerotrain.shard.staging import StagingBatch, StagingPool, StagingSource
 from zerotrain.shard.unit import ShardedUnit
 from zerotrain.utils.invariant import InvariantError, invariant
 from zerotrain.utils.logging import get_logger
-from zerotrain.zero.issue import batch_small_units, issue, issue_reduce_scatters
+from zerotrain.zero.issue import (
+    batch_small_units,
+    is_small_unit,
+    issue,
+    issue_reduce_scatters,
+)
 
 log = get_logger(__name__)
 
@@ -183,7 +188,7 @@ class GradientSynchronizer:
         small: dict[int, tuple[StagingPool, int]] = {}
         for pool, unit in zip(self._own_pool, self.units, strict=True):
             numel = unit.buffer.layout.padded_numel
-            if isinstance(pool, StagingPool) and numel <= self.coalesce_numel // 8:
+            if isinstance(pool, StagingPool) and is_small_unit(numel, self.coalesce_numel):
                 total = small.get(id(pool), (pool, 0))[1]
                 small[id(pool)] = (pool, total + numel)
         for key, (pool, total) in small.items():

@@ -47,6 +47,12 @@ def reduce_batch_numel(bucket_numel: int | None) -> int:
     return COALESCE_NUMEL if bucket_numel is None else min(bucket_numel, COALESCE_NUMEL)
 
 
+def is_small_unit(numel: int, cap: int) -> bool:
+    """Whether a unit of ``numel`` elements is small enough to be batched with its
+    neighbours into collectives of up to ``cap`` elements (at most an eighth of it)."""
+    return numel <= cap // 8
+
+
 def batch_small_units(sizes: Sequence[int], kinds: Sequence[object], cap: int) -> list[range]:
     """Positions ``0..len(sizes)-1`` (units in launch order, by padded size) cut into
     consecutive batches: runs of small units (at most ``cap // 8`` elements) of one kind
@@ -58,7 +64,7 @@ def batch_small_units(sizes: Sequence[int], kinds: Sequence[object], cap: int) -
     step more than its arithmetic does."""
 
     def run(k: int) -> object:
-        small = kinds[k] is not None and sizes[k] <= cap // 8
+        small = kinds[k] is not None and is_small_unit(sizes[k], cap)
         return ("small", kinds[k]) if small else ("alone", k)
 
     batches: list[range] = []
